@@ -1,0 +1,65 @@
+"""Generic runner: any `AutoModelForCausalLM` behind the same interface as the native one.
+
+It is the compatibility path (GPT-2, or architectures the native runner lacks), not the fast
+one: each row keeps a transformers `DynamicCache`, cropped to the row's committed length
+before every forward (rollback), and rows run one after another because the caches have
+different lengths. Trees work through a 4-D attention mask.
+"""
+import torch
+from transformers import DynamicCache
+
+from csd_engine.models.runner import ForwardBatch, Runner
+
+
+class _Lengths:
+    """Committed length per row, mirrored as a tensor so strategies treat both runners alike."""
+
+    def __init__(self, batch, device):
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+
+    @property
+    def batch(self):
+        return self.lengths.shape[0]
+
+    def reset(self, lengths=None):
+        self.lengths.zero_() if lengths is None else self.lengths.copy_(lengths)
+
+    def advance(self, n):
+        self.lengths += n
+
+    def rollback(self, lengths):
+        torch.minimum(self.lengths, lengths, out=self.lengths)
+
+    def move(self, src_slots, dst_slots):
+        raise NotImplementedError("tree compaction is done by the generic runner itself")
+
+
+class HFRunner(Runner):
+    def __init__(self, hf_model, device):
+        self.model = hf_model.eval()
+        self.device = torch.device(device)
+        self.vocab_size = hf_model.config.vocab_size
+        self.num_params = sum(p.numel() for p in hf_model.parameters())
+        self.caches: list[DynamicCache] = []
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.cache = _Lengths(batch, self.device)
+        self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        n = batch.input_ids.shape[1]
+        lengths = self.cache.lengths.tolist()
+        out = []
+        for row, cache in enumerate(self.caches):
+            keep = lengths[row]
+            extra = cache.get_seq_length() - keep
+            if extra > 0:
+                cache.crop(-extra)
+            mask = torch.ones(1, 1, n, keep + n, dtype=torch.bool, device=self.device)
+            new_mask = batch.tree_mask[row] if batch.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            mask[0, 0, :, keep:] = new_mask.to(self.device)
+            logits = self.model(input_ids=batch.input_ids[row:row + 1], position_ids=batch.positions[row:row + 1],
+                                attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            out.append(logits.float())
+        return torch.cat(out) if batch.need_logits else None

@@ -1,0 +1,127 @@
+"""Native Llama-family decoder (Llama, Mistral, Qwen2/2.5 with qkv bias, SmolLM2) on a static cache.
+
+Weights are taken from a loaded `transformers` model (so folders, hub ids and GGUF files all
+load the same way) and re-packed: q/k/v fused into one matmul, gate/up into another.
+Numerics follow transformers: RMSNorm in fp32, RoPE tables computed in fp32 then cast.
+"""
+import torch
+import torch.nn.functional as F
+
+from csd_engine.models.cache import KVCache
+from csd_engine.models.runner import ForwardBatch, Runner, attention_mask
+
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class LlamaRunner(Runner):
+    def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa"):
+        cfg = hf_model.config
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ValueError("sliding-window attention is not supported by the native runner; "
+                             "use the generic runner (native=False)")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.vocab_size = cfg.vocab_size
+        self.attention_backend = attention_backend
+        self.num_params = sum(p.numel() for p in hf_model.parameters())
+        rotary = hf_model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
+        self.rope_scaling = float(rotary.attention_scaling)
+
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+        def take(name):
+            return sd[name].to(self.device, dtype)
+
+        def maybe(name):
+            return take(name) if name in sd else None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = take("lm_head.weight") if "lm_head.weight" in sd else self.embed
+        self.final_norm = take("model.norm.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            self.layers.append(dict(
+                attn_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                qkv_bias=torch.cat(biases) if biases[0] is not None else None,
+                o=take(p + "self_attn.o_proj.weight"),
+                o_bias=maybe(p + "self_attn.o_proj.bias"),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+            if maybe(p + "mlp.gate_proj.bias") is not None:
+                raise ValueError("MLP biases (mlp_bias=True) are not supported by the native runner")
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.full_cache = KVCache.allocate(self.num_layers, batch, self.num_kv_heads, capacity,
+                                           self.head_dim, self.dtype, self.device)
+        self.cache = self.full_cache
+
+    def use_rows(self, batch: int) -> None:
+        self.cache = self.full_cache.rows(batch)
+
+    def _rmsnorm(self, x, weight):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope_tables(self, positions):
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, layer, q, lengths, batch: ForwardBatch, mask):
+        k_all, v_all = self.cache.k[layer], self.cache.v[layer]
+        if self.attention_backend == "triton":
+            from csd_engine.kernels.attention import cache_attention
+            return cache_attention(q, k_all, v_all, lengths, batch.tree_mask)
+        k = k_all[:, :, :batch.kv_bound]
+        v = v_all[:, :, :batch.kv_bound]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        cache = self.cache
+        ids, positions = batch.input_ids, batch.positions
+        b, n = ids.shape
+        lengths = cache.lengths
+        slots = lengths[:, None] + torch.arange(n, device=ids.device)[None, :]
+        mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if self.attention_backend == "sdpa" else None
+        cos, sin = self._rope_tables(positions)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        h = F.embedding(ids, self.embed)
+        for i, w in enumerate(self.layers):
+            x = self._rmsnorm(h, w["attn_norm"])
+            qkv = F.linear(x, w["qkv"], w["qkv_bias"])
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = self._rotate(q.view(b, n, hq, d), cos, sin)
+            k = self._rotate(k.view(b, n, hkv, d), cos, sin)
+            cache.write(i, slots, k, v.view(b, n, hkv, d))
+            attn = self._attention(i, q, lengths, batch, mask)
+            h = h + F.linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
+            x = self._rmsnorm(h, w["mlp_norm"])
+            gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w["down"])
+        if not batch.need_logits:
+            return None
+        return F.linear(self._rmsnorm(h, self.final_norm), self.lm_head).float()

@@ -1,0 +1,62 @@
+"""What every model runner offers the strategies: one forward over new tokens on a static cache.
+
+A step feeds each row `n` new tokens (1 to decode, k+1 to verify a chain, N tree nodes) with
+explicit positions. Their keys/values go to slots `cache.lengths[b] .. + n - 1`; the
+strategy then commits what it accepted with `cache.advance`. Rows never wait on each other:
+ragged acceptance is just different `lengths`.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from csd_engine.models.cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [B, n] int64
+    positions: torch.Tensor  # [B, n] int64 absolute positions (prefix length + depth for trees)
+    kv_bound: int  # host-side upper bound of lengths[b] + n over rows: attention reads slots [0, kv_bound)
+    tree_mask: torch.Tensor | None = None  # [B, n, n] bool, None = causal among the new tokens
+    need_logits: bool = True  # False for prefill, whose logits nobody reads
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor, kv_bound: int, need_logits: bool = True):
+        """Consecutive tokens appended after each row's committed prefix."""
+        n = tokens.shape[1]
+        positions = lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]
+        return cls(tokens, positions, kv_bound, None, need_logits)
+
+
+class Runner:
+    """Base of the native and the generic runner: owns the static cache and the bookkeeping."""
+
+    vocab_size: int
+    num_params: int
+    device: torch.device
+    cache: KVCache | None = None
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits [B, n, V] float32 (None when batch.need_logits is False)."""
+        raise NotImplementedError
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
+        return self.forward(batch)
+
+
+def attention_mask(lengths: torch.Tensor, n: int, kv_bound: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, 1, n, kv_bound] bool: query i of row b sees its committed prefix (slots < lengths[b])
+    and the new tokens it may attend to (itself and earlier ones, or its tree ancestors)."""
+    slots = torch.arange(kv_bound, device=lengths.device)
+    rel = slots[None, None, :] - lengths[:, None, None]  # slot index relative to the first new token
+    query = torch.arange(n, device=lengths.device)[None, :, None]
+    if tree_mask is None:
+        visible = rel <= query
+    else:
+        new = (rel >= 0) & (rel < n)
+        idx = rel.clamp(0, n - 1).expand(-1, n, -1)
+        visible = (rel < 0) | (new & torch.gather(tree_mask, 2, idx))
+    return visible[:, None]

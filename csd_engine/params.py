@@ -1,0 +1,43 @@
+"""Sampling parameters: one per request, validated on construction."""
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 is greedy decoding. top_k 0 and top_p 1.0 switch those filters off.
+    seed=None draws a fresh seed; the same request with the same seed gives the same tokens
+    whatever else shares the batch. stop_token_ids=None means the tokenizer's EOS token."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    _resolved_seed: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self):
+        for name, kind in (("temperature", (int, float)), ("top_p", (int, float)),
+                           ("top_k", int), ("max_new_tokens", int)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self._resolved_seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,3 @@
+from csd_engine.strategies.autoregressive import Autoregressive
+
+__all__ = ["Autoregressive"]

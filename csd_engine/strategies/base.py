@@ -1,0 +1,118 @@
+"""State shared by every decoding strategy, and the pieces each of them uses.
+
+The committed sequence of each row lives on the device in `DecodeState.tokens`
+([B, capacity]); `pending[b]` is the last emitted token, which no model has cached yet.
+Every model's cache is a prefix of that sequence (`runner.cache.lengths`), so any model can
+catch up on what it has not seen by feeding `tokens[b, cache_len:committed] + pending`.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from csd_engine.kernels.random import stream_seed
+from csd_engine.models.runner import ForwardBatch, Runner
+
+
+@dataclass
+class DecodeState:
+    tokens: torch.Tensor  # [B, capacity] int64: committed tokens of each row (prompt, then output)
+    committed: torch.Tensor  # [B] int64: how many of them are committed (= target cache length)
+    pending: torch.Tensor  # [B] int64: last emitted token, not in any cache yet
+    active: torch.Tensor  # [B] bool: rows still generating
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int32
+    top_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    offset: torch.Tensor  # [B] int64: random-number counter of each request
+    max_committed: int  # host-side max of committed over rows (exact after each step's read)
+    all_greedy: bool  # every row at temperature 0: strategies may skip draft distributions
+    metrics: "StepMetrics" = field(default_factory=lambda: StepMetrics())
+
+    @property
+    def batch(self) -> int:
+        return self.pending.shape[0]
+
+    def sampling_args(self, stream: int = 0) -> dict:
+        """Per-row arguments of the verification kernels, with an independent random stream
+        per `stream` id (cascade levels must not share random numbers)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    seed=stream_seed(self.seed, stream), offset=self.offset)
+
+
+@dataclass
+class StepOutput:
+    tokens: torch.Tensor  # [B, m] int64: tokens emitted this step, left-aligned
+    counts: torch.Tensor  # [B] int64: how many of them are real (>= 1 for active rows)
+
+
+@dataclass
+class StepMetrics:
+    """Counters a strategy accumulates per row (device tensors, read once at the end)."""
+
+    target_forwards: int = 0
+    drafter_forwards: list = field(default_factory=list)  # per drafter level
+    accepted: torch.Tensor | None = None  # [B] accepted draft tokens (target level)
+    drafted: torch.Tensor | None = None  # [B] drafted tokens offered to the target
+    accepted_by_position: torch.Tensor | None = None  # [B, P] accepted count per draft position
+    drafted_by_position: torch.Tensor | None = None
+    level_accepted: dict = field(default_factory=dict)  # level -> [B]
+    level_drafted: dict = field(default_factory=dict)
+
+    def count_drafter(self, drafter: int, n: int = 1) -> None:
+        """Count forwards of engine.drafters[drafter]."""
+        while len(self.drafter_forwards) <= drafter:
+            self.drafter_forwards.append(0)
+        self.drafter_forwards[drafter] += n
+
+    def drafter_counts(self, n_drafters: int) -> list[int]:
+        return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
+
+    def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor) -> None:
+        """Per-row accepted/drafted counts of one review at `level` (0 = the target)."""
+        a = accepted.to(torch.int64) * active
+        d = drafted.to(torch.int64) * active
+        self.level_accepted[level] = self.level_accepted.get(level, 0) + a
+        self.level_drafted[level] = self.level_drafted.get(level, 0) + d
+        if level != 0:
+            return
+        width = max(int(drafted.max()) if drafted.numel() else 0, 1)
+        pos = torch.arange(width, device=accepted.device)[None, :]
+        acc_pos = (pos < a[:, None]).to(torch.int64)
+        drf_pos = (pos < d[:, None]).to(torch.int64)
+        if self.accepted_by_position is None or self.accepted_by_position.shape[1] < width:
+            pad = width - (0 if self.accepted_by_position is None else self.accepted_by_position.shape[1])
+            zeros = torch.zeros(a.shape[0], pad, dtype=torch.int64, device=a.device)
+            self.accepted_by_position = zeros if self.accepted_by_position is None else torch.cat([self.accepted_by_position, zeros], 1)
+            self.drafted_by_position = zeros.clone() if self.drafted_by_position is None else torch.cat([self.drafted_by_position, zeros], 1)
+        self.accepted_by_position[:, :width] += acc_pos
+        self.drafted_by_position[:, :width] += drf_pos
+
+
+def catch_up_tokens(state: DecodeState, runner: Runner, max_behind: int, extra: torch.Tensor | None = None):
+    """What `runner` has not cached yet, per row, right-padded: tokens[cache_len:committed],
+    then `pending`, then the `extra` block ([B, e]) if given. `max_behind` is a host-known
+    bound on committed - cache_len (the caller knows it without a device sync).
+    Returns (input_ids [B, max_behind + 1 + e], real counts [B]). Padding repeats `pending`;
+    it lands beyond the row's committed length and is overwritten later."""
+    lengths = runner.cache.lengths
+    behind = state.committed - lengths
+    e = 0 if extra is None else extra.shape[1]
+    col = torch.arange(max_behind + 1 + e, device=lengths.device)[None, :]
+    from_history = torch.gather(state.tokens, 1, (lengths[:, None] + col).clamp(max=state.tokens.shape[1] - 1))
+    ids = torch.where(col < behind[:, None], from_history, state.pending[:, None])
+    if extra is not None:
+        k = (col - behind[:, None] - 1).clamp(0, e - 1)
+        in_extra = (col > behind[:, None]) & (col <= behind[:, None] + e)
+        ids = torch.where(in_extra, torch.gather(extra, 1, k), ids)
+    return ids, behind + 1 + e
+
+
+def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, need_logits: bool = True):
+    """One forward of `ids` right after each row's cached prefix (chain positions)."""
+    bound = state.max_committed + ids.shape[1]
+    return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits))
+
+
+def logits_at(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """logits[b, index[b]] for every row: [B, V]."""
+    return logits[torch.arange(logits.shape[0], device=logits.device), index]

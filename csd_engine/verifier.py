@@ -1,0 +1,36 @@
+"""Which implementation verifies drafts: the Triton kernels or their PyTorch references.
+
+Both give identical tokens for the same seeds. Default: Triton on a GPU and under the
+Triton interpreter (tests), PyTorch on a plain CPU. `CSD_VERIFY_BACKEND=triton|torch` or the
+engine's `verify_backend=` argument forces one.
+"""
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+def choose_backend(requested: str | None, device: torch.device) -> str:
+    name = requested or os.environ.get("CSD_VERIFY_BACKEND") or None
+    if name is None:
+        name = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"verify backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+class Verifier:
+    """`chain(...)`: kernels.verify semantics; `tree(...)`: kernels.tree_verify semantics."""
+
+    def __init__(self, backend: str):
+        from csd_engine.kernels import verify
+        self.backend = backend
+        self.chain = verify.verify if backend == "triton" else verify.verify_ref
+        self.emitted_distribution = verify.emitted_distribution
+        self.reviewer_probs = verify.reviewer_probs
+
+    def tree(self, *args, **kwargs):
+        from csd_engine.kernels import tree_verify
+        fn = tree_verify.tree_verify if self.backend == "triton" else tree_verify.tree_verify_ref
+        return fn(*args, **kwargs)

@@ -1,0 +1,60 @@
+"""Build: the Python package, the Triton kernels (import name `csd_engine.kernels`) and the
+C++/CUDA extension `csd_engine._C`.
+
+    pip install --no-build-isolation -e .        # against the torch already installed
+    CSD_SKIP_CUDA=1 pip install ...               # C++ CPU sources only, even with CUDA torch
+    CSD_NO_EXTENSION=1 pip install ...            # no extension: ops fall back to PyTorch
+"""
+import glob
+import os
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def extension_modules():
+    if os.environ.get("CSD_NO_EXTENSION") == "1":
+        return []
+    import torch
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cpp = sorted(glob.glob("csrc/*.cpp"))
+    cuda = sorted(glob.glob("csrc/*.cu"))
+    with_cuda = torch.cuda.is_available() or os.environ.get("CSD_FORCE_CUDA") == "1"
+    with_cuda = with_cuda and torch.version.cuda is not None and os.environ.get("CSD_SKIP_CUDA") != "1"
+    cxx = ["-O3", "-std=c++20", "-fopenmp"]
+    if with_cuda:
+        return [CUDAExtension("csd_engine._C", cpp + cuda, define_macros=[("CSD_WITH_CUDA", None)],
+                              extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
+                              extra_link_args=["-fopenmp"])]
+    return [CppExtension("csd_engine._C", cpp, extra_compile_args=cxx, extra_link_args=["-fopenmp"])]
+
+
+def build_ext_class():
+    from torch.utils.cpp_extension import BuildExtension
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(
+    name="csd_engine",
+    version="0.1.0",
+    description="Lossless speculative decoding engine: cascade, staged (tree) and PEARL drafting with fused Triton verification",
+    packages=["csd_engine", "csd_engine.models", "csd_engine.strategies", "csd_engine.drafters", "csd_engine.kernels"],
+    package_dir={"csd_engine": "csd_engine", "csd_engine.kernels": "kernels"},
+    ext_modules=extension_modules(),
+    cmdclass={"build_ext": build_ext_class()},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.5",
+        "triton>=3.2",
+        "transformers>=5.0,<6",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "gguf": ["gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8"],
+        "flash": ["flash-attn>=2.6"],
+    },
+    entry_points={"console_scripts": ["csd-engine=csd_engine.cli:main"]},
+)
