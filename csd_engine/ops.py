@@ -1,0 +1,131 @@
+"""Ops of the compiled extension `csd_engine._C`, each with a PyTorch reference it falls back to.
+
+build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (ALGORITHMS.md section 5).
+
+The extension is optional: without it (or without a kernel for the input's device) every op runs
+its reference, after one warning.
+"""
+import functools
+import warnings
+
+import torch
+
+try:
+    from csd_engine import _C  # noqa: F401  (loading it registers torch.ops.csd_engine.*)
+    HAS_EXTENSION = True
+    _MISSING_REASON = ""
+except ImportError as error:
+    HAS_EXTENSION = False
+    _MISSING_REASON = f"csd_engine._C did not import ({error})"
+
+ROOT = -1     # parent of a child of the committed prefix
+PADDING = -2  # parent of a padded node
+
+_TREE_RULE = "parent must be -1 (root), -2 (padding) or an index smaller than the node"
+_PADDING_RULE = "padded nodes (parent -2) must come after all real nodes of the row"
+
+
+def _devices_with_kernel(op_name: str) -> frozenset[str]:
+    if not HAS_EXTENSION:
+        return frozenset()
+    return frozenset(device for device in ("cpu", "cuda")
+                     if torch._C._dispatch_has_kernel_for_dispatch_key(op_name, device.upper()))
+
+
+_TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"{reason}; using the slower PyTorch reference", RuntimeWarning, stacklevel=3)
+
+
+def _check_parents_layout(parents: torch.Tensor) -> None:
+    if not isinstance(parents, torch.Tensor):
+        raise TypeError(f"build_tree_mask: parents must be a torch.Tensor, got {type(parents).__name__}")
+    if parents.dim() != 2:
+        raise ValueError(
+            f"build_tree_mask: parents must be a 2-D [batch, nodes] tensor, got {parents.dim()} dimensions")
+    if parents.dtype != torch.int64:
+        raise TypeError(f"build_tree_mask: parents must be int64, got {parents.dtype}")
+
+
+def _check_tree(parents: torch.Tensor) -> None:
+    """Raises ValueError for the first offending node in row-major order (the C++ op names the same one).
+    parent < node also rules out cycles: walking up strictly decreases the index."""
+    _check_parents_layout(parents)
+    index = torch.arange(parents.shape[1], device=parents.device)
+    padded = parents == PADDING
+    out_of_range = (parents < PADDING) | (parents >= index)
+    after_padding = ~padded & (padded.cumsum(1) > 0)
+    offending = (out_of_range | after_padding).nonzero()
+    if len(offending) == 0:
+        return
+    row, node = offending[0].tolist()
+    parent = int(parents[row, node])
+    where = f"build_tree_mask: row {row}, node {node} has parent {parent}"
+    if out_of_range[row, node]:
+        raise ValueError(f"{where}; {_TREE_RULE}")
+    raise ValueError(f"{where} but follows a padded node; {_PADDING_RULE}")
+
+
+def build_tree_mask_ref(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of build_tree_mask (same outputs; tree errors are ValueError).
+    Vectorised over the batch: one step per tree level walks every node one ancestor up."""
+    _check_tree(parents)
+    batch, nodes = parents.shape
+    parent_or_none = parents.clamp(min=ROOT)  # a padded node's chain also ends at itself
+    ancestor = torch.arange(nodes, device=parents.device).expand(batch, nodes)
+    chain = [ancestor]  # chain[k][b, i]: the k-th ancestor of node i (0th = i itself), or -1
+    while True:
+        ancestor = torch.where(ancestor >= 0, parent_or_none.gather(1, ancestor.clamp(min=0)), ROOT)
+        if not (ancestor >= 0).any():
+            break
+        chain.append(ancestor)
+    ancestors = torch.stack(chain, dim=2)  # [batch, nodes, max depth + 1]
+    depth = (ancestors >= 0).sum(dim=2) - 1
+
+    # Column `nodes` catches the scatter of missing ancestors and is dropped.
+    mask = torch.zeros(batch, nodes, nodes + 1, dtype=torch.bool, device=parents.device)
+    mask.scatter_(2, torch.where(ancestors >= 0, ancestors, nodes), True)
+    mask = mask[:, :, :nodes]
+
+    # paths[b, i, d] is the ancestor (depth - d) levels above i: the root at d = 0, i at d = depth.
+    level = depth.unsqueeze(2) - torch.arange(ancestors.shape[2], device=parents.device)
+    on_path = (level >= 0) & (parents != PADDING).unsqueeze(2)
+    paths = torch.full((batch, nodes, nodes), -1, dtype=torch.int64, device=parents.device)
+    paths[:, :, :ancestors.shape[2]] = torch.where(on_path, ancestors.gather(2, level.clamp(min=0)), -1)
+    return mask, depth, paths
+
+
+def build_tree_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tree attention metadata from a parent array.
+
+    parents: [B, N] int64. parents[b, i] is the index of node i's parent in row b (smaller than i),
+        -1 for a root (a child of the committed prefix) or -2 for padding, which must follow all
+        real nodes of its row.
+    Returns
+        mask:  [B, N, N] bool, mask[b, i, j] is True iff j is i or an ancestor of i (a padded node
+               sees only itself);
+        depth: [B, N] int64, the number of ancestors (roots and padding: 0), so positions are
+               prefix_len + depth;
+        paths: [B, N, N] int64, paths[b, i, :depth+1] the nodes from the root down to i, then -1
+               (all -1 for padding).
+    Raises ValueError for a parent array that is not such a forest, TypeError for a non-int64 input.
+    On CUDA the op synchronises once, to read the kernel's invalid-tree flag.
+    """
+    _check_parents_layout(parents)
+    if parents.device.type in _TREE_MASK_DEVICES:
+        return torch.ops.csd_engine.build_tree_mask(parents)
+    _warn_fallback(_MISSING_REASON or f"csd_engine._C has no build_tree_mask kernel for {parents.device.type}")
+    return build_tree_mask_ref(parents)
+
+
+if HAS_EXTENSION:
+    @torch.library.register_fake("csd_engine::build_tree_mask")
+    def _build_tree_mask_fake(parents):
+        _check_parents_layout(parents)
+        batch, nodes = parents.shape
+        return (parents.new_empty(batch, nodes, nodes, dtype=torch.bool),
+                parents.new_empty(batch, nodes),
+                parents.new_empty(batch, nodes, nodes))
