@@ -1,0 +1,423 @@
+"""Lossless verification of a token tree (staged speculative decoding, ALGORITHMS.md section 5).
+
+Row b holds a tree of N nodes. Node 0 is the root: the last emitted token, not yet in the
+target's cache. Nodes 1..N-1 are draft tokens; `parents[b, i] < i`, and padded nodes (parent
+-2) come after the real ones and are ignored. `logits[b, i]` is the target's next-token
+distribution after the path root..i.
+
+The walk starts at the root. At node v (depth d) the row tries v's children in index order:
+* greedy row (temperature 0): move to the first child whose token is argmax logits[b, v];
+* sampling row: with p' = p_v (the processed distribution: temperature, top-k, top-p), the
+  r-th child c tried at v is accepted iff u * q(c) < p'(c), u = uniform(seed, offset + d,
+  1 + V + r). q is the child's proposal `draft_probs[b, c]`; a rejection leaves
+  p' = norm(max(0, p' - q)). Without draft_probs every child is deterministic (q one-hot):
+  the test is u < p'(c) and a rejection removes c from p'.
+Accepting a child moves there. Where no child is accepted the row emits one token: the
+argmax (greedy) or argmax_y log p'(y) + gumbel(seed, offset + d, 1 + y) (sampling; if p'
+vanished in floating point, p_v is sampled instead). Every step of a sampling row is a
+rejection-sampling stage whose outcome is distributed as p_v, so the emitted tokens follow
+the target exactly.
+
+Processed distribution: z = logits / temperature; top-k keeps z >= the k-th largest z
+(ties kept); top-p then keeps z >= t, t the largest kept value whose kept mass at or above
+it is >= top_p (ties kept). top_k 0 and top_p 1 switch them off.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .random import gumbel, gumbel_ref, uniform, uniform_ref
+
+MAX_BLOCK_V = 1024
+NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
+SEARCH_WAYS = tl.constexpr(8)  # thresholds tested per sweep of the top-k / top-p search
+PADDED_PARENT = -2
+
+
+@dataclass
+class TreeVerifyResult:
+    num_accepted: torch.Tensor  # [B] int32, accepted draft nodes = depth of the final node
+    accepted_nodes: torch.Tensor  # [B, N] int64, node index at depth 1, 2, ...; -1 after the path
+    next_token: torch.Tensor  # [B] int64, the correction / bonus token emitted after the path
+
+
+@triton.jit
+def _scaled_logits(row_ptr, offs, V, temperature):
+    return tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temperature
+
+
+@triton.jit
+def _order_key(x):
+    # fp32 -> int32 with the same order (-0.0 just below +0.0): a search on keys is exact.
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_order_key(key):
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _argmax_update(best_score, best_index, scores, start):
+    # Strictly greater across blocks and tl.argmax within one: ties go to the first index.
+    block_best = tl.max(scores, axis=0)
+    take = block_best > best_score
+    best_index = tl.where(take, start + tl.argmax(scores, axis=0), best_index)
+    return tl.maximum(best_score, block_best), best_index
+
+
+@triton.jit
+def _logits_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
+    best_score = float("-inf")
+    best_index = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        scores = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        best_score, best_index = _argmax_update(best_score, best_index, scores, start)
+    return best_index
+
+
+@triton.jit
+def _scaled_max(row_ptr, V, temperature, BLOCK_V: tl.constexpr):
+    row_max = float("-inf")
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        row_max = tl.maximum(row_max, tl.max(_scaled_logits(row_ptr, offs, V, temperature), axis=0))
+    return row_max
+
+
+@triton.jit
+def _amounts_at_least(row_ptr, V, temperature, row_max, thresholds, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """For each of a block of thresholds: how many entries (or how much exp(z - row_max)
+    mass) have z >= threshold."""
+    totals = tl.zeros(thresholds.shape, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        z = _scaled_logits(row_ptr, offs, V, temperature)
+        if BY_MASS:
+            amount = tl.exp(z - row_max)
+        else:
+            amount = tl.full([BLOCK_V], 1.0, tl.float32)
+        keep = (offs < V)[:, None] & (z[:, None] >= thresholds[None, :])
+        totals += tl.sum(tl.where(keep, amount[:, None], 0.0), axis=0)
+    return totals
+
+
+@triton.jit
+def _kept_mass(row_ptr, V, temperature, row_max, threshold, BLOCK_V: tl.constexpr):
+    thresholds = tl.full([1], threshold, tl.float32)
+    return tl.sum(_amounts_at_least(row_ptr, V, temperature, row_max, thresholds, True, BLOCK_V), axis=0)
+
+
+@triton.jit
+def _largest_threshold(row_ptr, V, temperature, row_max, floor, goal, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The largest t in [floor, row_max] with amount_at_least(t) >= goal (true at floor).
+
+    Search on order keys, so it ends exactly on an entry of z (ties kept, as the spec says).
+    Each sweep tests SEARCH_WAYS candidates spread over (lo, hi]: ~11 sweeps over V for the
+    32-bit key range instead of 32 for plain bisection."""
+    lo = _order_key(floor)
+    hi = _order_key(row_max)
+    ways = tl.arange(0, SEARCH_WAYS)
+    while lo < hi:
+        # hi first, the last one just above lo; int64 because hi - lo can exceed 2^31.
+        candidates = (hi - ((hi.to(tl.int64) - lo - 1) * ways) // SEARCH_WAYS).to(tl.int32)
+        amounts = _amounts_at_least(row_ptr, V, temperature, row_max, _from_order_key(candidates), BY_MASS, BLOCK_V)
+        enough = amounts >= goal  # true below the answer, false above it
+        lo = tl.maximum(lo, tl.max(tl.where(enough, candidates, lo), axis=0))
+        hi = tl.min(tl.where(enough, hi, candidates - 1), axis=0)
+    return _from_order_key(lo)
+
+
+@triton.jit
+def _write_target_probs(row_ptr, residual_ptr, V, temperature, row_max, threshold, kept_mass, BLOCK_V: tl.constexpr):
+    """residual = p_v; returns its sum."""
+    tl.debug_barrier()  # see _tree_verify_kernel: workspace writes are fenced on both sides
+    total = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        z = _scaled_logits(row_ptr, offs, V, temperature)
+        p = tl.where((offs < V) & (z >= threshold), tl.exp(z - row_max) / kept_mass, 0.0)
+        tl.store(residual_ptr + offs, p, mask=offs < V)
+        total += tl.sum(p, axis=0)
+    tl.debug_barrier()
+    return total
+
+
+@triton.jit
+def _shrink_residual(residual_ptr, draft_ptr, token, mass, V, DRAWN: tl.constexpr, BLOCK_V: tl.constexpr):
+    """After a rejected child: residual = max(0, residual / mass - q) for a drawn child (q at
+    draft_ptr), residual[token] = 0 for a deterministic one. Returns the new sum."""
+    tl.debug_barrier()
+    total = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = tl.load(residual_ptr + offs, mask=offs < V, other=0.0)
+        if DRAWN:
+            q = tl.load(draft_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
+            w = tl.maximum(w / mass - q, 0.0)
+        else:
+            w = tl.where(offs == token, 0.0, w)
+        tl.store(residual_ptr + offs, w, mask=offs < V)
+        total += tl.sum(w, axis=0)
+    tl.debug_barrier()
+    return total
+
+
+@triton.jit
+def _sample_residual(residual_ptr, V, seed, counter, BLOCK_V: tl.constexpr):
+    """Gumbel-max sample of the (unnormalised) residual."""
+    best_score = float("-inf")
+    best_index = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = tl.load(residual_ptr + offs, mask=offs < V, other=0.0)
+        log_w = tl.log(tl.where(w > 0.0, w, 1.0))  # log(0) = -inf, without a warning
+        scores = tl.where(w > 0.0, log_w + gumbel(seed, counter, 1 + offs), float("-inf"))
+        best_score, best_index = _argmax_update(best_score, best_index, scores, start)
+    return best_index
+
+
+@triton.jit
+def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, stride_dn,
+                        tokens_ptr, parents_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
+                        residual_ptr, num_accepted_ptr, accepted_nodes_ptr, next_token_ptr, N, V,
+                        HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per row. The residual p' lives in the row's workspace, written in blocks
+    but read back one element at a time (p'(c), which any thread may have stored): every
+    write is fenced by barriers on both sides, so no thread reads a stale or a future value.
+    All branch conditions are per-row scalars, the same in every thread."""
+    b = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + b)
+    top_k = tl.load(top_k_ptr + b)
+    top_p = tl.load(top_p_ptr + b)
+    seed = tl.load(seed_ptr + b)
+    offset = tl.load(offset_ptr + b)
+    greedy = temperature == 0.0
+    tokens_row = tokens_ptr + b * N
+    parents_row = parents_ptr + b * N
+    residual_row = residual_ptr + b * V  # p' of the current node, unnormalised, sum = mass
+
+    node = 0
+    searching = True
+    for depth in range(0, N):  # the path holds at most N - 1 draft nodes
+        if searching:
+            node_logits = logits_ptr + b * stride_lb + node * stride_ln
+            counter = offset + depth
+            best = 0
+            row_max = 0.0
+            threshold = 0.0
+            kept_mass = 1.0
+            mass = 0.0
+            if greedy:
+                best = _logits_argmax(node_logits, V, BLOCK_V)
+            else:
+                row_max = _scaled_max(node_logits, V, temperature, BLOCK_V)
+                threshold = float("-inf")
+                if (top_k > 0) & (top_k < V):
+                    threshold = _largest_threshold(node_logits, V, temperature, row_max, threshold,
+                                                   top_k.to(tl.float32), False, BLOCK_V)
+                if top_p < 1.0:
+                    goal = top_p * _kept_mass(node_logits, V, temperature, row_max, threshold, BLOCK_V)
+                    threshold = _largest_threshold(node_logits, V, temperature, row_max, threshold, goal, True, BLOCK_V)
+                kept_mass = _kept_mass(node_logits, V, temperature, row_max, threshold, BLOCK_V)
+                mass = _write_target_probs(node_logits, residual_row, V, temperature, row_max, threshold,
+                                           kept_mass, BLOCK_V)
+
+            chosen = -1
+            tried = 0
+            for child in range(node + 1, N):
+                if (tl.load(parents_row + child) == node) & (chosen < 0):
+                    token = tl.load(tokens_row + child)
+                    if greedy:
+                        accepted = token == best
+                    else:
+                        # u * q(c) < p'(c) = residual[c] / mass, without dividing: once p' has
+                        # vanished (mass 0) nothing is accepted and nothing more is removed.
+                        u_mass = uniform(seed, counter, 1 + V + tried) * mass
+                        draft_row = draft_ptr + b * stride_db + child * stride_dn
+                        if HAS_DRAFT_PROBS:
+                            u_mass *= tl.load(draft_row + token).to(tl.float32)
+                        accepted = u_mass < tl.load(residual_row + token)
+                        if (mass > 0.0) & ~accepted:
+                            mass = _shrink_residual(residual_row, draft_row, token, mass, V, HAS_DRAFT_PROBS, BLOCK_V)
+                    if accepted:
+                        chosen = child
+                    tried += 1
+
+            if chosen >= 0:
+                tl.store(accepted_nodes_ptr + b * N + depth, chosen.to(tl.int64))
+                node = chosen
+            else:
+                emitted = best
+                if not greedy:
+                    if mass <= 0.0:  # p' vanished in floating point: sample p_v instead
+                        _write_target_probs(node_logits, residual_row, V, temperature, row_max, threshold,
+                                            kept_mass, BLOCK_V)
+                    emitted = _sample_residual(residual_row, V, seed, counter, BLOCK_V)
+                tl.store(next_token_ptr + b, emitted.to(tl.int64))
+                tl.store(num_accepted_ptr + b, depth)
+                searching = False
+
+
+def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset) -> None:
+    if logits.dim() != 3 or min(logits.shape) < 1:
+        raise ValueError(f"logits must be [B, N, V] with B, N, V >= 1, got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating dtype, got {logits.dtype}")
+    batch, nodes, vocab = logits.shape
+    for name, t in (("tokens", tokens), ("parents", parents)):
+        if tuple(t.shape) != (batch, nodes):
+            raise ValueError(f"{name} must be [B={batch}, N={nodes}], got {tuple(t.shape)}")
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if draft_probs is not None:
+        if tuple(draft_probs.shape) != (batch, nodes, vocab):
+            raise ValueError(f"draft_probs must be None or [B={batch}, N={nodes}, V={vocab}], got {tuple(draft_probs.shape)}")
+        if not draft_probs.is_floating_point():
+            raise TypeError(f"draft_probs must be a floating dtype, got {draft_probs.dtype}")
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed), ("offset", offset)):
+        if tuple(t.shape) != (batch,):
+            raise ValueError(f"{name} must be [B={batch}], got {tuple(t.shape)}")
+    tensors = [logits, tokens, parents, temperature, top_k, top_p, seed, offset] + ([draft_probs] if draft_probs is not None else [])
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in tensors]}")
+    if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # the value checks below read the device; a captured graph cannot
+    index = torch.arange(nodes, device=parents.device)
+    padded = parents == PADDED_PARENT
+    real = (parents >= 0) & (parents < index)
+    if not (parents[:, 0] == -1).all():
+        raise ValueError("parents[:, 0] must be -1: node 0 is the root")
+    if not (real | padded)[:, 1:].all():
+        raise ValueError(f"parents[b, i] for i >= 1 must be in [0, i) or {PADDED_PARENT} (padding)")
+    if (padded.int().cummax(dim=1).values != padded.int()).any():
+        raise ValueError("padded nodes (parent -2) must come after every real node of their row")
+    if ((tokens < 0) | (tokens >= vocab))[real].any():
+        raise ValueError(f"draft tokens must be in [0, V={vocab})")
+    if (temperature < 0).any() or (top_k < 0).any() or ((top_p <= 0) | (top_p > 1)).any():
+        raise ValueError("need temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off)")
+
+
+def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
+                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+                offset: torch.Tensor) -> TreeVerifyResult:
+    """Verify one token tree per row; see the module docstring for the rule.
+
+    logits       [B, N, V] float  target logits at every node (fp32 / bf16 / fp16)
+    tokens       [B, N]    int    tokens[b, 0] = root token, then the draft tokens
+    parents      [B, N]    int    -1 for the root, [0, i) for node i, -2 for padding at the end
+    draft_probs  None (deterministic children) or [B, N, V] float: the q node i was drawn from
+    temperature  [B] float (0 = greedy), top_k [B] int (0 = off), top_p [B] float (1 = off)
+    seed, offset [B] int64 counter-based randomness: depth d uses counter offset + d
+    Returns TreeVerifyResult(num_accepted [B] int32, accepted_nodes [B, N] int64, next_token [B] int64).
+
+    One program per row walks the tree; the residual p' lives in a float32 workspace [B, V]
+    allocated here (4 * B * V bytes).
+    """
+    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset)
+    batch, nodes, vocab = logits.shape
+    device = logits.device
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    draft = logits if draft_probs is None else draft_probs  # unread without draft probs
+    if draft.stride(-1) != 1:
+        draft = draft.contiguous()
+    residual = torch.empty(batch, vocab, dtype=torch.float32, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
+    next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    _tree_verify_kernel[(batch,)](
+        logits, logits.stride(0), logits.stride(1), draft, draft.stride(0), draft.stride(1),
+        tokens.to(torch.int64).contiguous(), parents.to(torch.int64).contiguous(),
+        temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
+        top_p.to(torch.float32).contiguous(), seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous(),
+        residual, num_accepted, accepted_nodes, next_token, nodes, vocab,
+        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=min(triton.next_power_of_2(vocab), MAX_BLOCK_V),
+        num_warps=NUM_WARPS)
+    return TreeVerifyResult(num_accepted, accepted_nodes, next_token)
+
+
+def _processed_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """[B, N, V] logits -> [B, N, V] float32 sampling distributions of each row's settings
+    (temperature, top-k, top-p as in the module docstring). Greedy rows get softmax(logits)."""
+    batch, nodes, vocab = logits.shape
+    temperature = torch.where(temperature > 0, temperature, 1).to(torch.float32).view(batch, 1, 1)
+    z = logits.float() / temperature
+    ranked = z.sort(dim=-1, descending=True).values
+    row_max = ranked[..., :1]
+    k = top_k.long().view(batch, 1, 1)
+    kth_largest = ranked.gather(-1, (k - 1).clamp(0, vocab - 1).expand(batch, nodes, 1))
+    threshold = torch.where((k > 0) & (k < vocab), kth_largest, float("-inf"))
+    # Top-p: the first ranked value whose cumulative kept mass reaches top_p * kept mass; a tie
+    # group's later members only add mass, so the first index that reaches it is the answer.
+    kept_exp = torch.where(ranked >= threshold, torch.exp(ranked - row_max), 0)
+    goal = top_p.to(torch.float32).view(batch, 1, 1) * kept_exp.sum(-1, keepdim=True)
+    first = (kept_exp.cumsum(-1) < goal).sum(-1, keepdim=True).clamp(max=vocab - 1)
+    top_p_threshold = torch.maximum(threshold, ranked.gather(-1, first))
+    threshold = torch.where(top_p.view(batch, 1, 1) < 1, top_p_threshold, threshold)
+    kept = torch.where(z >= threshold, torch.exp(z - row_max), 0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
+                    temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+                    offset: torch.Tensor) -> TreeVerifyResult:
+    """PyTorch twin of `tree_verify`: same arguments, same random numbers, same result.
+    Vectorised over rows; Python loops over depth and over child slots (N * N small steps)."""
+    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset)
+    batch, nodes, vocab = logits.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    seed, offset, tokens, parents = seed.long(), offset.long(), tokens.long(), parents.long()
+    greedy = temperature == 0
+    probs = _processed_probs_ref(logits, temperature, top_k, top_p)
+    best = logits.argmax(-1)  # [B, N] greedy choice after each node; ties -> first index
+    gumbel_index = 1 + torch.arange(vocab, device=device)
+
+    node = torch.zeros(batch, dtype=torch.int64, device=device)
+    searching = torch.ones(batch, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
+    next_token = torch.zeros(batch, dtype=torch.int64, device=device)
+    for depth in range(nodes):
+        if not searching.any():
+            break
+        counter = offset + depth
+        residual = probs[rows, node]  # p', unnormalised; its sum is `mass`
+        mass = residual.sum(-1)
+        chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        tried = torch.zeros(batch, dtype=torch.int64, device=device)
+        for child in range(1, nodes):
+            trying = searching & (parents[:, child] == node) & (chosen < 0)
+            token = torch.where(trying, tokens[:, child], 0)
+            u_mass = uniform_ref(seed, counter, 1 + vocab + tried) * mass  # u * q(c) < residual[c] / mass
+            if draft_probs is None:
+                sampled_accept = u_mass < residual[rows, token]
+                shrunk = residual.clone()
+                shrunk[rows, token] = 0
+            else:
+                q = draft_probs[:, child].float()
+                sampled_accept = u_mass * q[rows, token] < residual[rows, token]
+                shrunk = (residual / mass[:, None] - q).clamp(min=0)
+            accepted = trying & torch.where(greedy, token == best[rows, node], sampled_accept)
+            rejected = trying & ~greedy & (mass > 0) & ~accepted
+            residual = torch.where(rejected[:, None], shrunk, residual)
+            mass = torch.where(rejected, shrunk.sum(-1), mass)
+            chosen = torch.where(accepted, child, chosen)
+            tried += trying.long()
+        stopping = searching & (chosen < 0)
+        residual = torch.where((mass > 0)[:, None], residual, probs[rows, node])
+        sampled = (residual.log() + gumbel_ref(seed[:, None], counter[:, None], gumbel_index)).argmax(-1)
+        next_token = torch.where(stopping, torch.where(greedy, best[rows, node], sampled), next_token)
+        num_accepted = torch.where(stopping, depth, num_accepted)
+        moved = searching & ~stopping
+        accepted_nodes[moved, depth] = chosen[moved]
+        node = torch.where(moved, chosen, node)
+        searching = moved
+    return TreeVerifyResult(num_accepted, accepted_nodes, next_token)
