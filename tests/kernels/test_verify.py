@@ -1,0 +1,251 @@
+"""Chain verification: the Triton kernel against its PyTorch reference, and both against the rules
+and exact distributions of ALGORITHMS.md sections 1 and 2.
+
+* Fresh random batches mixing greedy, plain and top-k / top-p sampling rows, ragged drafts that
+  are often accepted: the kernel reproduces the reference exactly (same random numbers).
+* Greedy rows and the top-k / top-p cut-offs are checked against the definitions written out here.
+* Losslessness: over 20000 seeds in one batched call the first emitted token follows p (lenience 1)
+  or emitted_distribution (lenience > 1). The Triton interpreter is slow, so without a GPU the
+  kernel gets that test on a few hundred draws of a small vocabulary.
+"""
+import time
+
+import pytest
+import torch
+
+from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, verify, verify_ref
+from tests.stats import assert_distribution
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DRAWS = 20000
+KERNEL_DRAWS = DRAWS if DEVICE == "cuda" else 240
+LOGIT_SCALE = 3.0  # peaked reviewers, so that drafts are often accepted
+
+# The interpreter runs the kernels in NumPy, which warns about log(0) (a vanished residual entry,
+# -inf on purpose) and about turning a runtime loop bound (a 1-element array) into an int.
+pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
+
+
+def fresh_seed() -> int:
+    return time.time_ns() % 2**31
+
+
+def random_batch(gen: torch.Generator, batch: int, k: int, vocab: int, with_draft_probs: bool,
+                 dtype: torch.dtype = torch.float32) -> dict:
+    """verify() arguments: greedy and sampling rows mixed, top-k / top-p on some rows, ragged
+    drafts drawn from a q close to the reviewer's p."""
+    logits = LOGIT_SCALE * torch.randn(batch, k + 1, vocab, generator=gen)
+    greedy = torch.rand(batch, generator=gen) < 0.3
+    temperature = torch.where(greedy, 0.0, 0.5 + torch.rand(batch, generator=gen))
+    top_k = torch.where(torch.rand(batch, generator=gen) < 0.3, torch.randint(1, vocab, (batch,), generator=gen), 0)
+    top_p = torch.where(torch.rand(batch, generator=gen) < 0.3, 0.5 + 0.45 * torch.rand(batch, generator=gen), 1.0)
+    p = reviewer_probs(logits, temperature, top_k, top_p)[:, :k]
+    q = 0.8 * p + 0.2 * torch.softmax(torch.randn(batch, k, vocab, generator=gen), -1)
+    draft_tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
+    return dict(logits=logits.to(dtype).to(DEVICE), draft_tokens=draft_tokens.to(DEVICE),
+                num_drafts=torch.randint(0, k + 1, (batch,), generator=gen).to(DEVICE),
+                draft_probs=q.to(DEVICE) if with_draft_probs else None, temperature=temperature.to(DEVICE),
+                top_k=top_k.to(torch.int32).to(DEVICE), top_p=top_p.to(DEVICE),
+                seed=torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE),
+                offset=torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE))
+
+
+def same_logits_batch(gen: torch.Generator, rows: int, k: int, vocab: int, temperature: float, top_k: int,
+                      top_p: float, with_draft_probs: bool) -> dict:
+    """`rows` copies of one request with fresh seeds: drafts x_j ~ q_j (one q per position), all
+    n = k, so the first emitted token of each row is an independent draw of the same law."""
+    logits = LOGIT_SCALE * torch.randn(1, k + 1, vocab, generator=gen)
+    q = torch.softmax(logits[:, :k] + torch.randn(1, k, vocab, generator=gen), -1)
+    draft_tokens = torch.multinomial(q[0], rows, replacement=True, generator=gen).T
+    return dict(logits=logits.expand(rows, -1, -1).to(DEVICE), draft_tokens=draft_tokens.to(DEVICE),
+                num_drafts=torch.full((rows,), k, device=DEVICE),
+                draft_probs=q.expand(rows, -1, -1).to(DEVICE) if with_draft_probs else None,
+                temperature=torch.full((rows,), temperature, device=DEVICE),
+                top_k=torch.full((rows,), top_k, dtype=torch.int32, device=DEVICE),
+                top_p=torch.full((rows,), top_p, device=DEVICE),
+                seed=torch.randint(0, 2**40, (rows,), generator=gen).to(DEVICE),
+                offset=torch.randint(0, 2**40, (rows,), generator=gen).to(DEVICE))
+
+
+def first_emitted(inputs: dict, result) -> torch.Tensor:
+    return torch.where(result.num_accepted > 0, inputs["draft_tokens"][:, 0], result.next_token)
+
+
+@pytest.mark.parametrize("batch, k, vocab, with_draft_probs, lenience, dtype", [
+    (1, 0, 50, False, 1.0, torch.float32),
+    (8, 0, 1000, False, 1.0, torch.bfloat16),
+    (3, 1, 257, True, 1.0, torch.float32),
+    (8, 4, 1000, True, 2.5, torch.float32),
+    (8, 7, 257, False, 2.5, torch.float32),
+    (3, 7, 50, True, 2.5, torch.float16),
+    (8, 4, 50, False, 1.0, torch.float32),
+])
+def test_kernel_matches_reference(batch, k, vocab, with_draft_probs, lenience, dtype):
+    seed = fresh_seed()
+    inputs = random_batch(torch.Generator().manual_seed(seed), batch, k, vocab, with_draft_probs, dtype)
+    got = verify(**inputs, lenience=lenience)
+    want = verify_ref(**inputs, lenience=lenience)
+    where = f"seed={seed}, num_drafts={inputs['num_drafts'].tolist()}, want accepted={want.num_accepted.tolist()}"
+    assert torch.equal(got.num_accepted, want.num_accepted), f"{where}, got {got.num_accepted.tolist()}"
+    assert torch.equal(got.next_token, want.next_token), f"{where}: next_token {got.next_token} != {want.next_token}"
+    assert torch.allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5), f"{where}: lse {got.lse} != {want.lse}"
+    assert torch.equal(got.threshold, want.threshold), f"{where}: threshold {got.threshold} != {want.threshold}"
+
+
+@pytest.mark.parametrize("impl", [verify_ref, verify])
+@pytest.mark.parametrize("lenience", [1.0, 2.5])
+def test_greedy_rows_follow_the_rule(impl, lenience):
+    """Greedy: accept x_j while it is the argmax or (l > 1) l * softmax(x_j) > q(x_j) = 1; emit the
+    argmax at the first failure, or at position n."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, k, vocab = 6, 4, 40
+    logits = LOGIT_SCALE * torch.randn(batch, k + 1, vocab, generator=gen)
+    argmax = logits.argmax(-1)
+    # Drafts copy the argmax except, from a random position on, the second best token.
+    switch = torch.randint(0, k + 1, (batch, 1), generator=gen)
+    draft_tokens = torch.where(torch.arange(k) < switch, argmax[:, :k], logits[:, :k].topk(2).indices[..., 1])
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=gen)
+    ones = torch.ones(batch)
+    result = impl(logits.to(DEVICE), draft_tokens.to(DEVICE), num_drafts.to(DEVICE), None, (0 * ones).to(DEVICE),
+                  torch.zeros(batch, dtype=torch.int32, device=DEVICE), ones.to(DEVICE),
+                  torch.zeros(batch, dtype=torch.int64, device=DEVICE),
+                  torch.zeros(batch, dtype=torch.int64, device=DEVICE), lenience)
+    probs = torch.softmax(logits.double(), -1)
+    for b in range(batch):
+        accepted = 0
+        while accepted < num_drafts[b]:
+            x = draft_tokens[b, accepted]
+            if not (x == argmax[b, accepted] or (lenience > 1 and lenience * probs[b, accepted, x] > 1)):
+                break
+            accepted += 1
+        where = f"seed={seed}, row {b}, drafts {draft_tokens[b].tolist()}, argmax {argmax[b].tolist()}"
+        assert result.num_accepted[b] == accepted, f"{where}: accepted {result.num_accepted[b]}, want {accepted}"
+        assert result.next_token[b] == argmax[b, accepted], f"{where}: next token {result.next_token[b]}"
+    lse = torch.logsumexp(logits, -1)
+    drafted = torch.arange(k + 1) <= num_drafts[:, None]
+    assert torch.allclose(result.lse.cpu()[drafted], lse[drafted], atol=1e-5), f"seed={seed}: greedy lse"
+    assert (result.threshold.cpu()[drafted] == float("-inf")).all(), f"seed={seed}: greedy rows are unfiltered"
+
+
+def cutoff_by_definition(z: torch.Tensor, top_k: int, top_p: float) -> float:
+    """The smallest kept value of one row of processed logits, straight from the definition (float64)."""
+    z = z.double()
+    kept = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < z.numel():
+        kept = z >= z.sort(descending=True).values[top_k - 1]
+    if top_p < 1:
+        p = torch.where(kept, torch.softmax(torch.where(kept, z, float("-inf")), 0), 0.0)
+        reaching = [v for v in z[kept].unique() if p[z >= v].sum() >= top_p]
+        kept = z >= max(reaching)
+    return z[kept].min().item()
+
+
+@pytest.mark.parametrize("impl, batch", [(verify_ref, 32), (verify, 4)])
+def test_cutoffs_follow_the_definition(impl, batch):
+    """Integer-valued logits make many ties: a tie at the cut-off is kept whole."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 60
+    logits = torch.randint(-4, 5, (batch, 1, vocab), generator=gen).float()
+    temperature = 0.5 + torch.rand(batch, generator=gen)
+    top_k = torch.randint(0, 20, (batch,), generator=gen).to(torch.int32)
+    top_p = torch.where(torch.rand(batch, generator=gen) < 0.7, 0.3 + 0.65 * torch.rand(batch, generator=gen), 1.0)
+    empty = torch.zeros(batch, 0, dtype=torch.int64)
+    zero = torch.zeros(batch, dtype=torch.int64)
+    result = impl(*(t.to(DEVICE) for t in (logits, empty, zero)), None,
+                  *(t.to(DEVICE) for t in (temperature, top_k, top_p, zero, zero)))
+    z = logits[:, 0] / temperature[:, None]
+    for b in range(batch):
+        want = cutoff_by_definition(z[b], top_k[b].item(), top_p[b].item())
+        if top_k[b] == 0 and top_p[b] == 1:
+            want = float("-inf")
+        where = f"seed={seed}, row {b}, top_k {top_k[b].item()}, top_p {top_p[b].item():.4f}"
+        assert result.threshold[b, 0].item() == pytest.approx(want, rel=1e-6), f"{where}: {result.threshold[b, 0]}"
+        kept_lse = torch.logsumexp(torch.where(z[b] >= want, z[b], float("-inf")), 0)
+        assert result.lse[b, 0].item() == pytest.approx(kept_lse.item(), abs=1e-5), f"{where}: lse"
+
+
+def test_emitted_distribution_is_p_at_lenience_one_and_a_distribution_otherwise():
+    seed = fresh_seed()
+    inputs = random_batch(torch.Generator().manual_seed(seed), 64, 4, 30, with_draft_probs=True)
+    settings = [inputs[name] for name in ("temperature", "top_k", "top_p")]
+    p = reviewer_probs(inputs["logits"], *settings)
+    meaningful = torch.arange(5, device=DEVICE) <= inputs["num_drafts"][:, None]
+    for lenience in (1.0, 2.5):
+        for draft_probs in (inputs["draft_probs"], None):
+            args = dict(inputs, draft_probs=draft_probs)
+            result = verify_ref(**args, lenience=lenience)
+            e = emitted_distribution(**{n: v for n, v in args.items() if n not in ("seed", "offset")},
+                                     lenience=lenience, result=result)
+            emitted_at = torch.arange(5, device=DEVICE) <= result.num_accepted[:, None]
+            where = f"seed={seed}, lenience {lenience}, draft probs {draft_probs is not None}"
+            assert (e[~emitted_at] == 0).all(), f"{where}: nonzero past num_accepted"
+            assert torch.allclose(e[emitted_at].sum(-1), torch.ones(()), atol=1e-5), f"{where}: not normalised"
+            assert (e >= 0).all(), f"{where}: negative mass"
+            sampling = (inputs["temperature"] > 0)[:, None] & emitted_at & meaningful
+            if lenience == 1.0:
+                assert torch.allclose(e[sampling], p[sampling], atol=1e-6), f"{where}: e_j != p_j"
+            greedy = (inputs["temperature"] == 0)[:, None] & emitted_at
+            tokens = torch.cat([inputs["draft_tokens"], result.next_token[:, None]], 1)
+            tokens[torch.arange(64), result.num_accepted.long()] = result.next_token
+            one_hot = torch.nn.functional.one_hot(tokens, 30).float()
+            assert torch.equal(e[greedy], one_hot[greedy]), f"{where}: greedy rows must be one-hot"
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 8, 0.9)])
+def test_first_token_follows_p(with_draft_probs, temperature, top_k, top_p):
+    """Lenience 1 is lossless: whatever the drafts, the first emitted token is a draw of p_0."""
+    seed = fresh_seed()
+    inputs = same_logits_batch(torch.Generator().manual_seed(seed), DRAWS, 2, 12, temperature, top_k, top_p,
+                               with_draft_probs)
+    result = verify_ref(**inputs)
+    p = reviewer_probs(inputs["logits"][:1, 0], *(inputs[n][:1] for n in ("temperature", "top_k", "top_p")))[0]
+    rejected_first = (result.num_accepted == 0).float().mean().item()
+    assert 0.005 < rejected_first < 0.995, f"seed={seed}: first drafts rejected {rejected_first:.3f} of the time"
+    assert_distribution(first_emitted(inputs, result).cpu(), p.cpu())
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_lenient_first_token_follows_emitted_distribution(with_draft_probs):
+    seed = fresh_seed()
+    inputs = same_logits_batch(torch.Generator().manual_seed(seed), DRAWS, 1, 12, 0.8, 0, 0.95, with_draft_probs)
+    if not with_draft_probs:  # one deterministic draft token for all rows, so e_0 is one law
+        inputs["draft_tokens"][:] = inputs["draft_tokens"][0]
+    result = verify_ref(**inputs, lenience=2.5)
+    e = emitted_distribution(**{n: v for n, v in inputs.items() if n not in ("seed", "offset")}, lenience=2.5,
+                             result=result)[:, 0]
+    assert torch.allclose(e, e[:1], atol=1e-6), f"seed={seed}: e_0 must not depend on the row"
+    assert_distribution(first_emitted(inputs, result).cpu(), e[0].cpu())
+
+
+def test_kernel_draws_follow_emitted_distribution():
+    """The kernel's own draws at lenience 2.5: accept test, residual and bonus sampling. (Filtered
+    rows cost the interpreter most; the kernel equals the reference on them above.)"""
+    seed = fresh_seed()
+    inputs = same_logits_batch(torch.Generator().manual_seed(seed), KERNEL_DRAWS, 1, 5, 1.2, 0, 1.0, True)
+    result = verify(**inputs, lenience=2.5)
+    e = emitted_distribution(**{n: v for n, v in inputs.items() if n not in ("seed", "offset")}, lenience=2.5,
+                             result=result)[0, 0]
+    assert_distribution(first_emitted(inputs, result).cpu(), e.cpu())
+
+
+def test_bad_input_is_rejected():
+    inputs = random_batch(torch.Generator().manual_seed(0), 2, 3, 10, with_draft_probs=True)
+    with pytest.raises(ValueError, match="logits must be"):
+        verify(**dict(inputs, logits=inputs["logits"][:, 0]))
+    with pytest.raises(ValueError, match="draft_tokens must have shape"):
+        verify(**dict(inputs, draft_tokens=inputs["draft_tokens"][:, :2]))
+    with pytest.raises(ValueError, match="draft_probs must have shape"):
+        verify(**dict(inputs, draft_probs=inputs["draft_probs"][..., :5]))
+    with pytest.raises(TypeError, match="draft_tokens must be an integer"):
+        verify(**dict(inputs, draft_tokens=inputs["draft_tokens"].float()))
+    with pytest.raises(ValueError, match="lenience must be"):
+        verify(**inputs, lenience=0.5)
+    if DEVICE == "cpu":  # value checks would need a host sync on CUDA
+        with pytest.raises(ValueError, match=r"num_drafts must be in \[0, k=3\]"):
+            verify_ref(**dict(inputs, num_drafts=torch.tensor([1, 4])))
+        with pytest.raises(ValueError, match="top_p"):
+            verify(**dict(inputs, top_p=torch.tensor([0.0, 1.0])))
