@@ -167,6 +167,7 @@ class Engine:
         stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else self._eos(p) for p in params]
         limits = [min(p.max_new_tokens, self.max_seq_len - len(ids)) for p, ids in zip(params, prompt_ids)]
         forwards = [[0] * (1 + len(self.drafters)) for _ in range(b)]  # per row: target, then each drafter
+        committed = [len(ids) - 1 for ids in prompt_ids]
         start = time.perf_counter()
         while any(f is None for f in finish):
             before = [state.metrics.target_forwards] + state.metrics.drafter_counts(len(self.drafters))
@@ -177,9 +178,12 @@ class Engine:
                     forwards[row] = [f + a - c for f, a, c in zip(forwards[row], after, before)]
             self._commit(state, out)
             host = torch.cat([out.counts[:, None], out.tokens], dim=1).tolist()  # the one read per step
+            if hasattr(decoder, "observe"):  # host-side drafters (MaG) learn the emitted tokens
+                decoder.observe([h[1:1 + h[0]] for h in host])
             for row in range(b):
                 if finish[row] is not None:
                     continue
+                committed[row] += host[row][0]  # mirrors state.committed without reading it
                 for tok in host[row][1:1 + host[row][0]]:
                     outputs[row].append(tok)
                     if tok in stops[row]:
@@ -188,7 +192,7 @@ class Engine:
                         finish[row] = "length"
                     if finish[row]:
                         break
-            state.max_committed = max(len(ids) - 1 + len(o) for ids, o in zip(prompt_ids, outputs))
+            state.max_committed = max(committed)
             state.active = torch.tensor([f is None for f in finish], device=self.device)
         wall = time.perf_counter() - start
         return [GenerationResult(outputs[r], self._decode_text(outputs[r]), finish[r],

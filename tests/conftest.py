@@ -5,6 +5,7 @@ import shutil
 # csd_engine.kernels module is imported. Without a GPU the kernels run in the interpreter.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("CSD_DEBUG", "1")  # runners check the host-side attention bounds
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

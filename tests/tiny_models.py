@@ -13,6 +13,8 @@ VOCAB = 96
 
 
 def _finish(model, seed, scale):
+    # No end-of-sequence token: transformers' generate must not stop where the engine goes on.
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -41,7 +43,7 @@ def tiny_qwen2(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=VOCAB, sc
 
 def tiny_gpt2(seed=0, layers=2, hidden=64, heads=4, vocab=VOCAB, scale=1.5):
     cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=512,
-                     bos_token_id=0, eos_token_id=0)
+                     bos_token_id=0, eos_token_id=None)
     return _finish(GPT2LMHeadModel(cfg), seed, scale)
 
 

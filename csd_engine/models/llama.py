@@ -4,6 +4,8 @@ Weights are taken from a loaded `transformers` model (so folders, hub ids and GG
 load the same way) and re-packed: q/k/v fused into one matmul, gate/up into another.
 Numerics follow transformers: RMSNorm in fp32, RoPE tables computed in fp32 then cast.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +13,7 @@ from csd_engine.models.cache import KVCache
 from csd_engine.models.runner import ForwardBatch, Runner, attention_mask
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 
 
 class LlamaRunner(Runner):
@@ -104,6 +107,8 @@ class LlamaRunner(Runner):
         ids, positions = batch.input_ids, batch.positions
         b, n = ids.shape
         lengths = cache.lengths
+        if DEBUG_CHECKS:  # a host sync; tests enable it to prove the host-side bounds right
+            assert int(lengths.max()) + n <= batch.kv_bound <= cache.capacity, "kv_bound does not cover every row"
         slots = lengths[:, None] + torch.arange(n, device=ids.device)[None, :]
         mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if self.attention_backend == "sdpa" else None
         cos, sin = self._rope_tables(positions)

@@ -27,5 +27,8 @@ class AutoregressiveDecoder:
         none = torch.zeros(b, 0, dtype=torch.int64, device=logits.device)
         out = self.verifier.chain(logits, none, torch.zeros(b, dtype=torch.int64, device=logits.device),
                                   None, lenience=1.0, **state.sampling_args())
+        one = torch.ones(b, dtype=torch.int64, device=logits.device)
+        self.target.cache.advance(one * state.active)
+        state.offset += 1
         state.metrics.target_forwards += 1
-        return StepOutput(tokens=out.next_token[:, None], counts=torch.ones(b, dtype=torch.int64, device=logits.device))
+        return StepOutput(tokens=out.next_token[:, None], counts=one)

@@ -107,12 +107,22 @@ def catch_up_tokens(state: DecodeState, runner: Runner, max_behind: int, extra: 
     return ids, behind + 1 + e
 
 
-def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, need_logits: bool = True):
-    """One forward of `ids` right after each row's cached prefix (chain positions)."""
-    bound = state.max_committed + ids.shape[1]
+def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, ahead: int = 0, need_logits: bool = True):
+    """One forward of `ids` right after each row's cached prefix (chain positions).
+    `ahead`: how many slots past the committed prefix the runner's cache may already hold
+    (drafters mid-draft); it bounds the attention span without reading lengths on the host."""
+    bound = state.max_committed + ahead + ids.shape[1]
     return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits))
 
 
 def logits_at(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """logits[b, index[b]] for every row: [B, V]."""
     return logits[torch.arange(logits.shape[0], device=logits.device), index]
+
+
+def emitted_block(drafts: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """[B, k+1]: the accepted drafts of each row followed by its correction / bonus token
+    (entries after that are padding)."""
+    col = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None, :]
+    padded = torch.cat([drafts, next_token[:, None]], dim=1)
+    return torch.where(col == num_accepted[:, None], next_token[:, None], padded)

@@ -1,0 +1,79 @@
+"""`csd-engine generate`: one generation from the command line.
+
+    csd-engine generate --target smollm2-135m --prompt "Write a haiku about caches" --strategy speculative --drafter mag
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STRATEGIES = ("autoregressive", "speculative", "cascade", "staged", "pearl")
+
+
+def build_strategy(args):
+    import csd_engine
+    if args.strategy == "autoregressive":
+        return csd_engine.Autoregressive()
+    if args.strategy == "speculative":
+        return csd_engine.Speculative(k=args.k)
+    if args.strategy == "cascade":
+        return csd_engine.Cascade.auto() if args.k_matrix is None else csd_engine.Cascade(
+            k_matrix=json.loads(args.k_matrix), lenience=args.lenience)
+    if args.strategy == "staged":
+        return csd_engine.Staged()
+    return csd_engine.Pearl(gamma=args.k)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="csd-engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--target", required=True, help="zoo name, model folder, .gguf file or hub id")
+    g.add_argument("--drafter", action="append", default=[], help="drafter (repeatable, largest first); 'mag' for MaG")
+    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="default: speculative when a drafter is given, else autoregressive")
+    g.add_argument("--k", type=int, default=4, help="draft length (speculative) / gamma (pearl)")
+    g.add_argument("--k-matrix", default=None, help="cascade K matrix as JSON, e.g. '[[2,6],[0,8]]'")
+    g.add_argument("--lenience", type=float, default=1.0)
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--device", default=None)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    args = parser.parse_args(argv)
+
+    import csd_engine
+    if args.strategy is None:
+        args.strategy = "speculative" if args.drafter else "autoregressive"
+    try:
+        params = csd_engine.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                           max_new_tokens=args.max_new_tokens, seed=args.seed)
+        strategy = build_strategy(args)
+        engine = csd_engine.Engine(target=args.target, drafters=args.drafter, device=args.device,
+                                   dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt),
+                                   max_seq_len=args.max_seq_len)
+        results = engine.generate(args.prompt, params, strategy=strategy)
+    except (ValueError, TypeError) as exc:
+        print(f"csd-engine: error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, r in zip(args.prompt, results):
+        m = r.metrics
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
+                              "finish_reason": r.finish_reason, "metrics": vars(m)}))
+        else:
+            print(f"{prompt}{r.text if r.text is not None else r.token_ids}")
+            print(f"[{args.strategy}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
+                  f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Cascade Speculative Drafting (ALGORITHMS.md sections 2 and 3): vertical + horizontal cascade.
+
+Every row keeps one working sequence in `state.tokens`: the committed prefix, `pending`,
+then the draft being built. Row 0 of K says how many tokens each drafter (largest first)
+contributes to the target's draft; a neural drafter's own proposals come from the cascade
+below it (the sub-matrix), and it only ever *reviews* them — never decodes on its own.
+A review appends the accepted tokens plus the reviewer's correction/bonus and cuts the rest,
+so the working sequence only grows by verified-at-that-level tokens; every model's cache is
+a prefix of it and rolls back by length.
+
+Lossless at any temperature: a reviewer at an intermediate level emits each token with an
+exactly known distribution e_j (kernels.verify.emitted_distribution, lenience included),
+and that e_j — not the raw drafter distribution — is the proposal the level above verifies
+against. The target reviews with lenience 1, so the output follows the target exactly.
+
+Rows are batched: a row that already holds enough tokens at a level is masked out of the
+next review instead of leaving the batch. Intermediate levels read their accept counts on
+the host once per review (the loop bound is data-dependent and MaG runs on the host); the
+target level's result is read once per step by the engine.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from csd_engine.drafters.mag import MaG
+from csd_engine.strategies.base import DecodeState, StepOutput
+
+
+def _validate_k_matrix(k_matrix, n_drafters: int, is_mag: list[bool]) -> tuple[tuple[int, ...], ...]:
+    rows = [list(r) for r in k_matrix] if not isinstance(k_matrix, torch.Tensor) else k_matrix.tolist()
+    n = n_drafters
+    if len(rows) != n or any(len(r) != n for r in rows):
+        raise ValueError(f"K matrix must be {n}x{n} (one row and column per drafter, largest first); "
+                         f"got shape {len(rows)}x{len(rows[0]) if rows else 0}")
+    for i, r in enumerate(rows):
+        for j, v in enumerate(r):
+            if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
+                raise ValueError(f"K[{i}][{j}]={v!r}: entries must be non-negative integers")
+            if v < 0:
+                raise ValueError(f"K[{i}][{j}]={v}: entries must be non-negative integers")
+            if j < i and v != 0:
+                raise ValueError(f"K[{i}][{j}]={v}: K must be upper-triangular (entries below the diagonal are 0)")
+    rows = [[int(v) for v in r] for r in rows]
+    if sum(rows[0]) == 0:
+        raise ValueError("K row 0 sums to 0: the target would never receive a draft")
+    for i in range(n):
+        if is_mag[i] or not any(rows[r][i] for r in range(i + 1)):
+            continue  # MaG needs no drafts; an unused drafter needs none either
+        if i == n - 1 or sum(rows[i + 1][i + 1:]) == 0:
+            raise ValueError(f"drafter {i} is neural but K[{i + 1}][{i + 1}:] gives it nothing to review: a level "
+                             "that can never make progress (neural drafters only review drafts from below; "
+                             "end the cascade with MaG)")
+    return tuple(tuple(r) for r in rows)
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """k_matrix: n x n for the engine's n drafters (largest first, optionally ending in MaG).
+    lenience >= 1 relaxes reviews by drafters (never the target's). mag_tokens: how many
+    tokens MaG proposes per call."""
+
+    k_matrix: tuple = ((4,),)
+    lenience: float = 1.0
+    mag_tokens: int = 10
+    stream_base: int = field(default=16, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
+            raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
+        if isinstance(self.mag_tokens, bool) or not isinstance(self.mag_tokens, int) or self.mag_tokens < 1:
+            raise ValueError(f"mag_tokens must be an int >= 1, got {self.mag_tokens!r}")
+        rows = self.k_matrix.tolist() if isinstance(self.k_matrix, torch.Tensor) else self.k_matrix
+        if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
+            raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
+        object.__setattr__(self, "k_matrix", tuple(tuple(r) for r in rows))
+
+    def decoder(self, engine):
+        if not engine.drafters:
+            raise ValueError("Cascade needs at least one drafter (e.g. drafters=['mag'])")
+        is_mag = [isinstance(d, MaG) for d in engine.drafters]
+        k = _validate_k_matrix(self.k_matrix, len(engine.drafters), is_mag)
+        return CascadeDecoder(engine, k, float(self.lenience), self.mag_tokens)
+
+
+def _max_growth(k, is_mag, mag_tokens) -> int:
+    """Host-side bound on how many tokens one draft(...) call can add (sizes the buffers)."""
+    total = 0
+    for i in range(len(k)):
+        target = sum(k[0][:i + 1])
+        step = mag_tokens if is_mag[i] else _max_growth([r[i + 1:] for r in k[i + 1:]], is_mag[i + 1:], mag_tokens) + 1
+        total = max(total, target - 1 + step) if k[0][i] else total
+    return total
+
+
+class CascadeDecoder:
+    def __init__(self, engine, k, lenience, mag_tokens):
+        self.engine = engine
+        self.target = engine.target
+        self.drafters = engine.drafters
+        self.is_mag = [isinstance(d, MaG) for d in self.drafters]
+        self.verifier = engine.verifier
+        self.k = k
+        self.lenience = lenience
+        self.mag_tokens = mag_tokens
+        self.max_draft = _max_growth(k, self.is_mag, mag_tokens)
+        self.max_tokens_per_forward = self.max_draft + 2
+
+    def start(self, state: DecodeState, prompt_ids) -> None:
+        for d in self.drafters:
+            if isinstance(d, MaG):
+                d.start(prompt_ids)
+
+    def observe(self, emitted):
+        for d in self.drafters:
+            if isinstance(d, MaG):
+                d.commit(emitted)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, state: DecodeState) -> StepOutput:
+        b, dev = state.batch, state.pending.device
+        base = state.committed + 1  # working sequence = tokens[:committed] + pending + draft
+        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
+        self.q = None if state.all_greedy else torch.zeros(b, self.max_draft, self.target.vocab_size, device=dev)
+        self.reviews = 0
+        length = self._draft(state, list(range(len(self.drafters))), self.k, base.clone(), base, state.active)
+        n_draft = length - base
+        width = int(n_draft.max())
+        drafts = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(width, device=dev)).clamp(
+            max=state.tokens.shape[1] - 1))
+        ids = torch.cat([state.pending[:, None], drafts], 1)
+        logits = self._forward(self.target, state, ids, state.committed, width + 1)
+        q = None if self.q is None else self.q[:, :width]
+        res = self.verifier.chain(logits, drafts, n_draft, q, lenience=1.0, **state.sampling_args(0))
+        n = res.num_accepted.to(torch.int64)
+        self.target.cache.advance((n + 1) * state.active)
+        for d in self.drafters:
+            if not isinstance(d, MaG):
+                d.cache.rollback(base + n)
+        state.offset += self.max_draft + 2
+        state.metrics.target_forwards += 1
+        state.metrics.record(0, n, n_draft, state.active)
+        col = torch.arange(width + 1, device=dev)[None, :]
+        tokens = torch.where(col == n[:, None], res.next_token[:, None], torch.cat([drafts, drafts[:, :1]], 1))
+        return StepOutput(tokens, n + 1)
+
+    def _draft(self, state, drafters: list[int], k, length, start, rows):
+        """Grow the working sequence of the `rows` (mask) from `start` by the cascade of
+        `drafters` (engine indices) driven by `k`; returns the new lengths. Rows that are
+        done are masked out of further reviews, never split into separate calls."""
+        for i, d in enumerate(drafters):
+            goal = start + sum(k[0][:i + 1])
+            while True:
+                need = (length < goal) & rows
+                if not bool(need.any()):
+                    break
+                if self.is_mag[d]:
+                    length = self._mag_append(state, d, length, need)
+                else:
+                    sub_k = [r[i + 1:] for r in k[i + 1:]]
+                    sub_len = self._draft(state, drafters[i + 1:], sub_k, length.clone(), length, need)
+                    length = self._review(state, d, length, sub_len, need)
+        return length
+
+    def _mag_append(self, state, d, length, need):
+        """MaG proposes `mag_tokens` after each row's working sequence (one-hot q)."""
+        mag = self.drafters[d]
+        base = state.committed + 1
+        window = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(self.max_draft, device=base.device))
+                              .clamp(max=state.tokens.shape[1] - 1)).tolist()
+        tails = [row[:n] for row, n in zip(window, (length - base).tolist())]  # one host read
+        prop = mag.propose(tails, self.mag_tokens).to(state.tokens.device)
+        m = self.mag_tokens
+        cols = length[:, None] + torch.arange(m, device=length.device)
+        keep = need[:, None].expand(-1, m)
+        cols = torch.where(keep, cols, state.tokens.shape[1] - 1)
+        state.tokens.scatter_(1, cols, torch.where(keep, prop, state.tokens.gather(1, cols)))
+        if self.q is not None:
+            rel = (cols - base[:, None]).clamp(0, self.q.shape[1] - 1)
+            onehot = torch.nn.functional.one_hot(prop, self.q.shape[2]).to(self.q.dtype)
+            old = self.q.gather(1, rel[:, :, None].expand(-1, -1, self.q.shape[2]))
+            self.q.scatter_(1, rel[:, :, None].expand(-1, -1, self.q.shape[2]),
+                            torch.where(keep[:, :, None], onehot, old))
+        return torch.where(need, length + m, length)
+
+    def _review(self, state, d, mark, sub_len, need):
+        """Drafter d reviews the tokens [mark, sub_len) its sub-cascade proposed; the working
+        sequence keeps the accepted ones plus d's correction/bonus (rows in `need` only)."""
+        model = self.drafters[d]
+        dev = mark.device
+        m = (sub_len - mark) * need  # rows not in need review nothing and change nothing
+        width = int(m.max())
+        model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
+        feed_from = model.cache.lengths.clone()
+        logits = self._forward(model, state, None, feed_from, int((sub_len - feed_from).max()), upto=sub_len)
+        # logits at working positions mark-1 .. mark-1+width (relative to what was fed)
+        rel = (mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]
+        rel = rel.clamp(0, logits.shape[1] - 1)
+        logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))
+        drafts = torch.gather(state.tokens, 1, (mark[:, None] + torch.arange(width, device=dev)).clamp(
+            max=state.tokens.shape[1] - 1))
+        base = state.committed + 1
+        q = None
+        if self.q is not None:
+            qrel = ((mark - base)[:, None] + torch.arange(width, device=dev)).clamp(0, self.q.shape[1] - 1)
+            q = self.q.gather(1, qrel[:, :, None].expand(-1, -1, self.q.shape[2]))
+        self.reviews += 1
+        args = state.sampling_args(self.stream_id(d))
+        res = self.verifier.chain(logits, drafts, m, q, lenience=self.lenience, **args)
+        n = res.num_accepted.to(torch.int64)
+        state.metrics.count_drafter(d)
+        state.metrics.record(d + 1, n, m, need)
+        # Keep accepted drafts, write the correction/bonus after them.
+        pos = torch.where(need, mark + n, state.tokens.shape[1] - 1)
+        state.tokens.scatter_(1, pos[:, None], torch.where(need, res.next_token, state.tokens.gather(1, pos[:, None])[:, 0])[:, None])
+        if self.q is not None:
+            e = self.verifier.emitted_distribution(logits, drafts, m, q, state.temperature, state.top_k, state.top_p,
+                                                   self.lenience, res)
+            dst = ((mark - base)[:, None] + torch.arange(width + 1, device=dev)).clamp(0, self.q.shape[1] - 1)
+            keep = need[:, None] & (torch.arange(width + 1, device=dev)[None, :] <= n[:, None])
+            old = self.q.gather(1, dst[:, :, None].expand(-1, -1, self.q.shape[2]))
+            self.q.scatter_(1, dst[:, :, None].expand(-1, -1, self.q.shape[2]), torch.where(keep[:, :, None], e, old))
+        for other in self.drafters:  # everything past the first rejection is gone, in every cache
+            if not isinstance(other, MaG):
+                other.cache.rollback(torch.where(need, mark + n, other.cache.lengths))
+        return torch.where(need, mark + n + 1, mark)
+
+    def stream_id(self, drafter: int) -> int:
+        return 1 + 1024 * (drafter + 1) + self.reviews
+
+    def _forward(self, model, state, ids, feed_from, width, upto=None):
+        """Feed `model` the working-sequence tokens from `feed_from` (its cache length) for
+        `width` positions (or the given ids); returns logits [B, width, V]."""
+        dev = feed_from.device
+        if ids is None:
+            cols = feed_from[:, None] + torch.arange(width, device=dev)[None, :]
+            ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
+        from csd_engine.models.runner import ForwardBatch
+        bound = int(feed_from.max()) + ids.shape[1]
+        out = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
+        fed = ids.shape[1] if upto is None else (upto - feed_from).clamp(min=0)
+        if model is not self.target:
+            model.cache.advance(fed if isinstance(fed, torch.Tensor) else torch.full_like(feed_from, fed))
+        return out

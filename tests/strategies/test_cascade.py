@@ -1,0 +1,110 @@
+"""Cascade Speculative Drafting is lossless: greedy equals plain greedy decoding for any valid
+K and lenience; sampling follows the target at every temperature, lenience included."""
+import random
+
+import pytest
+import torch
+
+from csd_engine import Cascade, Engine, SamplingParams
+from csd_engine.strategies.cascade import _validate_k_matrix
+from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
+from tests.tiny_models import perturbed, random_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=31)
+    return target, perturbed(target, noise=0.25, seed=32), perturbed(target, noise=0.6, seed=33)
+
+
+def random_k_matrix(rng: random.Random, n: int, last_is_mag: bool):
+    """A valid K: upper-triangular, row 0 positive, every neural drafter given drafts from below."""
+    while True:
+        k = [[0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i, n):
+                k[i][j] = rng.randint(0, 3)
+        try:
+            _validate_k_matrix(k, n, [False] * (n - 1) + [last_is_mag])
+            return k
+        except ValueError:
+            continue
+
+
+def test_greedy_fuzz_random_k_lenience_batch_and_prompts(models):
+    target, d1, d2 = models
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    # Both verification backends (Triton kernel under the interpreter, PyTorch reference).
+    engines = {(2, b): Engine(target, drafters=[d1, "mag"], max_batch_size=4, max_seq_len=96, verify_backend=b)
+               for b in ("triton", "torch")}
+    engines.update({(3, b): Engine(target, drafters=[d1, d2, "mag"], max_batch_size=4, max_seq_len=96,
+                                   verify_backend=b) for b in ("triton", "torch")})
+    for trial in range(6):
+        levels = rng.choice([2, 3])
+        backend = "triton" if trial < 2 else "torch"
+        k = random_k_matrix(rng, levels, last_is_mag=True)
+        strategy = Cascade(k_matrix=k, lenience=rng.choice([1, 1.5, 3, 8]), mag_tokens=rng.randint(1, 5))
+        prompts = random_prompts(rng.randint(1, 4), lo=1, hi=16, seed=rng.randrange(10**6))
+        prompts[0] = prompts[0][:2] * 5  # repetition: MaG's drafts get accepted too
+        out = assert_greedy_equals_autoregressive(engines[levels, backend], prompts, strategy, max_new_tokens=16)
+        m = out[0].metrics
+        assert m.target_forwards <= m.new_tokens and m.mean_accepted_tokens >= 1, f"seed {seed} trial {trial}"
+        assert set(m.acceptance_by_level) >= {0}
+
+
+def test_neural_drafters_only_review(models):
+    """Drafter forwards are reviews: each counts in that level's acceptance statistics."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=64)
+    out = engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=12),
+                          strategy=Cascade(k_matrix=[[3, 1], [0, 2]], lenience=2))
+    m = out[0].metrics
+    assert m.drafter_forwards[0] > 0 and m.drafter_forwards[1] == 0  # MaG has no forward
+    assert 1 in m.acceptance_by_level and 0 <= m.acceptance_by_level[1] <= 1
+    assert m.swi > 0
+
+
+@pytest.mark.parametrize("levels,temperature,lenience", [(2, 1.0, 1.0), (2, 0.7, 3.0), (3, 1.0, 2.0), (3, 0.7, 1.0)])
+def test_sampling_follows_the_target(models, levels, temperature, lenience):
+    target, d1, d2 = models
+    drafters = [d1, "mag"] if levels == 2 else [d1, d2, "mag"]
+    k = [[2, 1], [0, 2]] if levels == 2 else [[2, 1, 1], [0, 2, 1], [0, 0, 2]]
+    engine = Engine(target, drafters=drafters, max_batch_size=2000, max_seq_len=32, verify_backend="torch")
+    prompt = [7, 3, 7, 3, 7]
+    results = assert_samples_follow_target(engine, target, prompt, Cascade(k_matrix=k, lenience=lenience, mag_tokens=2),
+                                           temperature=temperature, draws=2000)
+    assert sum(r.metrics.accepted for r in results) > 0
+
+
+@pytest.mark.parametrize("k,words", [
+    ([[2, 1]], "must be 2x2"),
+    ([[2, 1], [1, 2]], "upper-triangular"),
+    ([[2, -1], [0, 2]], "non-negative"),
+    ([[2, 1.5], [0, 2]], "non-negative integers"),
+    ([[0, 0], [0, 2]], "sums to 0"),
+])
+def test_bad_k_matrix_names_the_rule(models, k, words):
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(ValueError, match=words):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), strategy=Cascade(k_matrix=k))
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids  # still usable
+
+
+def test_level_that_cannot_progress_is_refused(models):
+    target, d1, d2 = models
+    engine = Engine(target, drafters=[d1, d2], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="never make progress"):
+        engine.generate([[1, 2]], strategy=Cascade(k_matrix=[[2, 1], [0, 2]]))
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="never make progress"):
+        engine.generate([[1, 2]], strategy=Cascade(k_matrix=[[2, 1], [0, 0]]))
+
+
+def test_bad_lenience_and_mag_tokens():
+    for bad in (0.5, -1, "2"):
+        with pytest.raises(ValueError, match="lenience"):
+            Cascade(lenience=bad)
+    with pytest.raises(ValueError, match="mag_tokens"):
+        Cascade(mag_tokens=0)
