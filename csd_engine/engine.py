@@ -20,8 +20,8 @@ from csd_engine.params import SamplingParams
 from csd_engine.strategies.base import DecodeState, StepMetrics
 from csd_engine.verifier import Verifier, choose_backend
 
-# Room past max_seq_len for the longest block a strategy feeds in one forward (draft + bonus,
-# or tree nodes): writes beyond a row's committed length must stay inside the buffer.
+# Room past max_seq_len for the blocks a strategy feeds (draft + bonus, or tree nodes): writes
+# beyond a row's committed length must stay inside the buffer.
 HEADROOM = 256
 
 
@@ -38,6 +38,8 @@ class Metrics:
     acceptance_by_position: list[float] = field(default_factory=list)
     acceptance_by_level: dict[int, float] = field(default_factory=dict)  # level 0 = reviews by the target
     swi: float = 1.0  # standardized walltime improvement (model-size cost model)
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length offered to the target -> rounds
+    wait_time_s: dict[str, float] = field(default_factory=dict)  # "drafter" / "target": waiting on the other
 
 
 @dataclass
@@ -92,9 +94,11 @@ class Engine:
         prompt_ids = self._encode(prompts)
         params = self._params(params, len(prompt_ids))
         decoder = strategy.decoder(self)  # validates the strategy against the engine's drafters
-        if decoder.max_tokens_per_forward > HEADROOM:
-            raise ValueError(f"the strategy feeds {decoder.max_tokens_per_forward} tokens per forward; "
-                             f"at most {HEADROOM} fit the cache headroom")
+        if 2 * decoder.max_tokens_per_forward > HEADROOM:
+            # A row can commit up to one forward past its limit in its last step, and finished
+            # rows are still fed (masked) until the batch ends: two forwards must fit.
+            raise ValueError(f"the strategy feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
+                             f"at most {HEADROOM // 2} fit the cache headroom")
         state = self._start(prompt_ids, params)
         if hasattr(decoder, "start"):
             decoder.start(state, prompt_ids)
@@ -232,6 +236,8 @@ class Engine:
             a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
             by_pos = [x / y for x, y in zip(a, d) if y > 0]
         by_level = {lvl: at(m.level_accepted[lvl]) / max(at(m.level_drafted[lvl]), 1) for lvl in m.level_accepted}
+        draft_lengths = {} if m.draft_lengths is None else {
+            length: rounds for length, rounds in enumerate(m.draft_lengths[row].tolist()) if rounds}
         sizes = [self.target.num_params] + [0 if isinstance(d, MaG) else d.num_params for d in self.drafters]
         cost = sum(f * s for f, s in zip(forwards, sizes))
         ar_cost = n_new * self.target.num_params
@@ -239,4 +245,5 @@ class Engine:
                        wall_time_s=wall, tokens_per_s=n_new / wall if wall > 0 else 0.0,
                        mean_accepted_tokens=n_new / max(forwards[0], 1), accepted=accepted, drafted=drafted,
                        acceptance_by_position=by_pos, acceptance_by_level=by_level,
-                       swi=ar_cost / cost if cost else 1.0)
+                       swi=ar_cost / cost if cost else 1.0, draft_lengths=draft_lengths,
+                       wait_time_s=dict(m.wait_time_s))

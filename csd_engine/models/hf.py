@@ -7,15 +7,18 @@ different lengths. Trees work through a 4-D attention mask.
 """
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from csd_engine.models.runner import ForwardBatch, Runner
 
 
 class _Lengths:
-    """Committed length per row, mirrored as a tensor so strategies treat both runners alike."""
+    """Committed length per row, mirrored as a tensor so strategies treat both runners alike;
+    `move` edits the rows' transformers caches directly."""
 
-    def __init__(self, batch, device):
+    def __init__(self, batch, device, caches: list[DynamicCache]):
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.caches = caches
 
     @property
     def batch(self):
@@ -30,8 +33,18 @@ class _Lengths:
     def rollback(self, lengths):
         torch.minimum(self.lengths, lengths, out=self.lengths)
 
+    @torch.inference_mode()  # the layers' tensors were made by inference-mode forwards
     def move(self, src_slots, dst_slots):
-        raise NotImplementedError("tree compaction is done by the generic runner itself")
+        """Copy entries of every layer from src to dst slots ([B, M] each), as KVCache.move.
+        Slot = position in the row's cache, which only full-attention layers keep."""
+        for row, cache in enumerate(self.caches):
+            src, dst = src_slots[row], dst_slots[row]
+            for layer in cache.layers:
+                if not isinstance(layer, DynamicLayer) or layer.is_sliding:
+                    raise ValueError(f"tree compaction needs full-attention cache layers; this model has "
+                                     f"{type(layer).__name__}: use chain strategies with it")
+                layer.keys[:, :, dst] = layer.keys[:, :, src]  # the right side is a copy: overlaps are safe
+                layer.values[:, :, dst] = layer.values[:, :, src]
 
 
 class HFRunner(Runner):
@@ -43,8 +56,8 @@ class HFRunner(Runner):
         self.caches: list[DynamicCache] = []
 
     def allocate(self, batch: int, capacity: int) -> None:
-        self.cache = _Lengths(batch, self.device)
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
+        self.cache = _Lengths(batch, self.device, self.caches)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:

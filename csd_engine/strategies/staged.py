@@ -1,0 +1,103 @@
+"""Staged speculative decoding (ALGORITHMS.md section 5): a neural drafter grows a token
+tree, MaG extends it (the second stage), the target verifies the whole tree in one forward.
+
+The tree has the same shape in every row, so its parent array, attention mask and depths
+are built once. Children are the drafter's top-b tokens, deterministic for greedy and
+sampling rows alike: the target accepts such a child with probability p'(c) and removes it
+from p' on rejection, which emits exactly the target's distribution.
+
+Second stage: MaG continues the drafter's most likely path (the first child at every
+depth) by `mag_tokens` more nodes, hung as a chain under that path's leaf. The drafter does
+not review them; the target verifies them like any other node, so output stays lossless.
+MaG is the engine's own MaG drafter if it has one (its bigram table included), else a
+fresh MaG without a bigram table. Its proposals are made on the host: a step with
+`mag_tokens > 0` reads the drafter's path (a few ints per row) once.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from csd_engine.drafters.mag import MaG
+from csd_engine.strategies.base import DecodeState, StepOutput
+from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
+                                        verify_tree_and_commit, with_chain)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """branching[d]: children of every node at depth d (the root, `pending`, is depth 0);
+    drafter: index of the neural drafter in engine.drafters that grows the tree;
+    mag_tokens: nodes MaG appends under the drafter's most likely path (0 = no second stage)."""
+
+    branching: tuple = (4, 2, 1, 1)
+    drafter: int = 0
+    mag_tokens: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.branching, (tuple, list)) or not self.branching \
+                or not all(_is_int(b) and b >= 1 for b in self.branching):
+            raise ValueError(f"Staged.branching must be a non-empty tuple of ints >= 1 (children per node at "
+                             f"each depth, e.g. (4, 2, 1, 1)), got {self.branching!r}")
+        object.__setattr__(self, "branching", tuple(self.branching))
+        if not _is_int(self.drafter) or self.drafter < 0:
+            raise ValueError(f"Staged.drafter must be an int >= 0 (an index into engine.drafters), "
+                             f"got {self.drafter!r}")
+        if not _is_int(self.mag_tokens) or self.mag_tokens < 0:
+            raise ValueError(f"Staged.mag_tokens must be an int >= 0 (0 = no MaG stage), got {self.mag_tokens!r}")
+
+    @property
+    def draft_nodes(self) -> int:
+        return len(branching_parents(self.branching)) - 1 + self.mag_tokens
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching) + self.mag_tokens
+
+    def decoder(self, engine):
+        drafters = engine.drafters
+        if self.drafter >= len(drafters) or isinstance(drafters[self.drafter], MaG):
+            neural = [i for i, d in enumerate(drafters) if not isinstance(d, MaG)]
+            raise ValueError(f"Staged(drafter={self.drafter}) must name a neural drafter of the engine; "
+                             f"the neural drafters are at indices {neural} of its {len(drafters)} drafter(s)")
+        vocab = engine.target.vocab_size
+        if max(self.branching) > vocab:
+            raise ValueError(f"Staged.branching={self.branching} asks for more children than the vocabulary "
+                             f"has tokens ({vocab})")
+        return StagedDecoder(engine, self)
+
+
+class StagedDecoder:
+    def __init__(self, engine, config: Staged):
+        self.engine = engine
+        self.drafter = engine.drafters[config.drafter]
+        self.drafter_index = config.drafter
+        self.branching = config.branching
+        self.mag_tokens = config.mag_tokens
+        parents = branching_parents(config.branching)
+        self.likely_path = first_child_path(parents)[1:]  # the drafter's top-1 chain, below the root
+        self.mag = None
+        if config.mag_tokens:
+            self.mag = next((d for d in engine.drafters if isinstance(d, MaG)), None) or MaG()
+            parents = with_chain(parents, self.likely_path[-1], config.mag_tokens)
+        self.tree = TreeShape.build(torch.tensor([parents], device=engine.device), config.depth)
+        self.max_tokens_per_forward = len(parents)
+
+    def start(self, state: DecodeState, prompt_ids) -> None:
+        if self.mag is not None:
+            self.mag.start(prompt_ids)
+
+    def observe(self, emitted: list[list[int]]) -> None:
+        if self.mag is not None:
+            self.mag.commit(emitted)
+
+    def step(self, state: DecodeState) -> StepOutput:
+        # The drafter trails the committed prefix by at most the last step's accepted path.
+        tokens = grow_tree(self.drafter, state, self.branching, self.tree, self.tree.max_depth, self.drafter_index)
+        if self.mag is not None:
+            tails = tokens[:, self.likely_path].tolist()
+            tokens = torch.cat([tokens, self.mag.propose(tails, self.mag_tokens).to(tokens.device)], dim=1)
+        return verify_tree_and_commit(self.engine, state, tokens, self.tree.expand(state.batch))

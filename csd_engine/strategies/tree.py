@@ -1,0 +1,124 @@
+"""Token trees (ALGORITHMS.md section 5): their shape, growing one with a neural drafter, and
+verifying one with the target in a single forward.
+
+A tree is a parent array whose node 0 is the root, the row's `pending` token (position
+`committed`); node i sits at position `committed + depth[i]`. `verify_tree_and_commit` is
+the step every tree strategy ends with, whoever built the tree: the target reviews all
+nodes at once, the accepted path's cache entries move into contiguous slots, and the
+emitted block goes back to the engine.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from csd_engine.models.runner import ForwardBatch, Runner
+from csd_engine.ops import ROOT, build_tree_mask
+from csd_engine.strategies.base import (DecodeState, StepOutput, catch_up_tokens, emitted_block, forward_tokens,
+                                        logits_at)
+from csd_engine.strategies.speculative import TARGET_STREAM
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Attention metadata of a batch of trees (node 0 = root = pending)."""
+
+    parents: torch.Tensor  # [B, N] int64: -1 for the root, [0, i) for node i, -2 for padding at the end
+    mask: torch.Tensor  # [B, N, N] bool: node i sees j iff j is i or an ancestor of i
+    depth: torch.Tensor  # [B, N] int64
+    max_depth: int  # host-known bound on depth (the emitted block is max_depth + 1 wide)
+
+    @classmethod
+    def build(cls, parents: torch.Tensor, max_depth: int | None = None) -> "TreeShape":
+        """From a parent array; without `max_depth` the bound is N - 1 (no host read)."""
+        mask, depth, _ = build_tree_mask(parents)
+        return cls(parents, mask, depth, parents.shape[1] - 1 if max_depth is None else max_depth)
+
+    def expand(self, batch: int) -> "TreeShape":
+        """The same tree for `batch` rows (from a shape built for one row)."""
+        return TreeShape(self.parents.expand(batch, -1), self.mask.expand(batch, -1, -1),
+                         self.depth.expand(batch, -1), self.max_depth)
+
+
+def branching_parents(branching: tuple[int, ...]) -> list[int]:
+    """Parent array of the tree where every node of depth d has branching[d] children:
+    the root, then one level after another, each node's children next to each other."""
+    parents, level = [ROOT], [0]
+    for children in branching:
+        start = len(parents)
+        parents += [node for node in level for _ in range(children)]
+        level = list(range(start, len(parents)))
+    return parents
+
+
+def first_child_path(parents: list[int]) -> list[int]:
+    """The nodes from the root down through each node's first child to a leaf."""
+    path = [0]
+    while path[-1] in parents:
+        path.append(parents.index(path[-1]))
+    return path
+
+
+def with_chain(parents: list[int], under: int, length: int) -> list[int]:
+    """`parents` plus a chain of `length` nodes hanging from node `under`."""
+    start = len(parents)
+    return parents + [under if i == 0 else start + i - 1 for i in range(length)]
+
+
+def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], tree: TreeShape, max_behind: int,
+              metrics_index: int) -> torch.Tensor:
+    """Tokens [B, 1 + sum of level sizes]: pending, then level after level the drafter's
+    top-b tokens after each node of the level above, most likely first (deterministic
+    children: the target accepts each with probability p'(c), which is lossless).
+
+    `tree` (one row) must start with the nodes of `branching_parents(branching)`; it may
+    hold more after them. `max_behind` bounds how far the drafter's cache trails the
+    committed prefix. One drafter forward per level: the first catches up on the
+    committed tokens and `pending` (which the drafter then keeps cached), each later one
+    feeds every tree node so far with the tree mask. Earlier levels are fed again (same
+    slots, same values) because the runner lets new tokens see only the committed cache
+    and the tokens of the current forward; committing tree nodes to the cache would make
+    them visible to every node. Trees are small, so the extra work is small too.
+    """
+    ids, counts = catch_up_tokens(state, drafter, max_behind)
+    last = logits_at(forward_tokens(drafter, state, ids), counts - 1)[:, None]  # [B, 1, V]: after pending
+    drafter.cache.advance(counts * state.active)
+    levels = [state.pending[:, None]]
+    for depth, children in enumerate(branching):
+        if depth > 0:
+            drafted = torch.cat(levels[1:], dim=1)
+            nodes = slice(1, 1 + drafted.shape[1])
+            batch = ForwardBatch(drafted, state.committed[:, None] + tree.depth[:, nodes],
+                                 state.max_committed + 1 + drafted.shape[1],
+                                 tree.mask[:, nodes, nodes].expand(state.batch, -1, -1))
+            last = drafter(batch)[:, -levels[-1].shape[1]:]
+        levels.append(last.topk(children, dim=-1).indices.flatten(1))
+    state.metrics.count_drafter(metrics_index, len(branching))
+    return torch.cat(levels, dim=1)
+
+
+def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tree: TreeShape,
+                           draft_probs: torch.Tensor | None = None) -> StepOutput:
+    """The target reviews `tokens` [B, N] (tokens[:, 0] = pending) arranged as `tree` in one
+    forward; returns each row's accepted path then its correction / bonus token.
+
+    draft_probs: None for deterministic children, else [B, N, V] (the q each node was drawn
+    from). The target's cache ends holding pending and the accepted path in contiguous slots;
+    the random counters offset .. offset + max_depth are consumed."""
+    target = engine.target
+    n_nodes = tokens.shape[1]
+    logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
+                                 tree.mask))
+    result = engine.verifier.tree(logits, tokens, tree.parents, draft_probs, **state.sampling_args(TARGET_STREAM))
+    accepted = result.num_accepted.to(torch.int64)
+    path = result.accepted_nodes[:, :tree.max_depth]  # node at depth 1, 2, ...; -1 after the path
+
+    # Node i was written at slot committed + i; the path node at depth d belongs at committed + d.
+    contiguous = state.committed[:, None] + torch.arange(1, tree.max_depth + 1, device=tokens.device)
+    target.cache.move(torch.where(path >= 0, state.committed[:, None] + path, contiguous), contiguous)
+    target.cache.advance((accepted + 1) * state.active)
+
+    state.offset += tree.max_depth + 1
+    state.metrics.target_forwards += 1
+    state.metrics.record(0, accepted, tree.depth.max(dim=1).values, state.active)  # drafted = tree depth
+    path_tokens = tokens.gather(1, path.clamp(min=0))
+    return StepOutput(emitted_block(path_tokens, accepted, result.next_token), accepted + 1)
