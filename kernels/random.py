@@ -31,11 +31,13 @@ def _mix32(h):
 
 @triton.jit
 def uniform(seed, counter, index):
-    """uint32 seed, counter, index (scalars or blocks) -> float32 uniform in (0, 1)."""
+    """uint32 seed, counter, index (scalars or blocks) -> float32 uniform in (0, 1).
+    23 bits, so `(bits + 0.5) * 2^-23` is exact in fp32 and never rounds to 0 or 1
+    (a 1.0 would make the Gumbel noise infinite)."""
     h = _mix32(seed.to(tl.uint32) + 0x9E3779B9)
     h = _mix32(h ^ counter.to(tl.uint32))
     h = _mix32(h ^ index.to(tl.uint32))
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
@@ -57,7 +59,7 @@ def uniform_ref(seed, counter, index) -> torch.Tensor:
     h = _mix32_ref((seed + 0x9E3779B9) & MASK32)
     h = _mix32_ref(h ^ counter)
     h = _mix32_ref(h ^ index)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_ref(seed, counter, index) -> torch.Tensor:

@@ -252,6 +252,7 @@ def _emit_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, 
 
 def _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
                   seed=None, offset=None) -> None:
+    """Shapes, dtypes, devices and lenience always; tensor values only on the CPU."""
     if logits.dim() != 3 or min(logits.shape) < 1:
         raise ValueError(f"logits must be [B, k+1, V] with B, k+1, V >= 1, got {list(logits.shape)}")
     batch, positions, vocab = logits.shape
@@ -266,7 +267,8 @@ def _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, to
     expected.update({name: spec for name, spec in optional.items() if spec[0] is not None})
     for name, (t, shape, floating) in expected.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} for logits {list(logits.shape)}, got {list(t.shape)}")
+            raise ValueError(f"{name} must have shape {list(shape)} for logits [B, k+1, V] = {list(logits.shape)}, "
+                             f"got {list(t.shape)}")
         if t.is_floating_point() != floating or t.dtype == torch.bool:
             raise TypeError(f"{name} must be {'a floating' if floating else 'an integer'} tensor, got {t.dtype}")
         if t.device != logits.device:

@@ -72,6 +72,11 @@ def first_emitted(inputs: dict, result) -> torch.Tensor:
     return torch.where(result.num_accepted > 0, inputs["draft_tokens"][:, 0], result.next_token)
 
 
+def emitted(inputs: dict, lenience: float, result) -> torch.Tensor:
+    return emitted_distribution(**{name: value for name, value in inputs.items() if name not in ("seed", "offset")},
+                                lenience=lenience, result=result)
+
+
 @pytest.mark.parametrize("batch, k, vocab, with_draft_probs, lenience, dtype", [
     (1, 0, 50, False, 1.0, torch.float32),
     (8, 0, 1000, False, 1.0, torch.bfloat16),
@@ -84,6 +89,8 @@ def first_emitted(inputs: dict, result) -> torch.Tensor:
 def test_kernel_matches_reference(batch, k, vocab, with_draft_probs, lenience, dtype):
     seed = fresh_seed()
     inputs = random_batch(torch.Generator().manual_seed(seed), batch, k, vocab, with_draft_probs, dtype)
+    # A view of wider logits (as a padded vocabulary gives): rows are not contiguous.
+    inputs["logits"] = torch.cat([inputs["logits"], inputs["logits"][..., :3]], -1)[..., :vocab]
     got = verify(**inputs, lenience=lenience)
     want = verify_ref(**inputs, lenience=lenience)
     where = f"seed={seed}, num_drafts={inputs['num_drafts'].tolist()}, want accepted={want.num_accepted.tolist()}"
@@ -91,6 +98,8 @@ def test_kernel_matches_reference(batch, k, vocab, with_draft_probs, lenience, d
     assert torch.equal(got.next_token, want.next_token), f"{where}: next_token {got.next_token} != {want.next_token}"
     assert torch.allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5), f"{where}: lse {got.lse} != {want.lse}"
     assert torch.equal(got.threshold, want.threshold), f"{where}: threshold {got.threshold} != {want.threshold}"
+    beyond = torch.arange(k + 1, device=DEVICE) > inputs["num_drafts"][:, None]
+    assert (got.lse[beyond] == 0).all() and (got.threshold[beyond] == 0).all(), f"{where}: past the draft"
 
 
 @pytest.mark.parametrize("impl", [verify_ref, verify])
@@ -101,11 +110,15 @@ def test_greedy_rows_follow_the_rule(impl, lenience):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     batch, k, vocab = 6, 4, 40
-    logits = LOGIT_SCALE * torch.randn(batch, k + 1, vocab, generator=gen)
+    # Two tokens dominate each position, the runner-up close enough that l * p > 1 for some.
+    logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    best = torch.randint(0, vocab, (batch, k + 1, 1), generator=gen)
+    runner_up = (best + torch.randint(1, vocab, best.shape, generator=gen)) % vocab
+    logits.scatter_(-1, best, 10.0).scatter_(-1, runner_up, 10.0 - 2 * torch.rand(best.shape, generator=gen))
     argmax = logits.argmax(-1)
-    # Drafts copy the argmax except, from a random position on, the second best token.
+    # Drafts copy the argmax up to a random position, the runner-up from there on.
     switch = torch.randint(0, k + 1, (batch, 1), generator=gen)
-    draft_tokens = torch.where(torch.arange(k) < switch, argmax[:, :k], logits[:, :k].topk(2).indices[..., 1])
+    draft_tokens = torch.where(torch.arange(k) < switch, argmax[:, :k], runner_up[:, :k, 0])
     num_drafts = torch.randint(0, k + 1, (batch,), generator=gen)
     ones = torch.ones(batch)
     result = impl(logits.to(DEVICE), draft_tokens.to(DEVICE), num_drafts.to(DEVICE), None, (0 * ones).to(DEVICE),
@@ -172,19 +185,17 @@ def test_emitted_distribution_is_p_at_lenience_one_and_a_distribution_otherwise(
     inputs = random_batch(torch.Generator().manual_seed(seed), 64, 4, 30, with_draft_probs=True)
     settings = [inputs[name] for name in ("temperature", "top_k", "top_p")]
     p = reviewer_probs(inputs["logits"], *settings)
-    meaningful = torch.arange(5, device=DEVICE) <= inputs["num_drafts"][:, None]
     for lenience in (1.0, 2.5):
         for draft_probs in (inputs["draft_probs"], None):
             args = dict(inputs, draft_probs=draft_probs)
             result = verify_ref(**args, lenience=lenience)
-            e = emitted_distribution(**{n: v for n, v in args.items() if n not in ("seed", "offset")},
-                                     lenience=lenience, result=result)
+            e = emitted(args, lenience, result)
             emitted_at = torch.arange(5, device=DEVICE) <= result.num_accepted[:, None]
             where = f"seed={seed}, lenience {lenience}, draft probs {draft_probs is not None}"
             assert (e[~emitted_at] == 0).all(), f"{where}: nonzero past num_accepted"
             assert torch.allclose(e[emitted_at].sum(-1), torch.ones(()), atol=1e-5), f"{where}: not normalised"
             assert (e >= 0).all(), f"{where}: negative mass"
-            sampling = (inputs["temperature"] > 0)[:, None] & emitted_at & meaningful
+            sampling = (inputs["temperature"] > 0)[:, None] & emitted_at
             if lenience == 1.0:
                 assert torch.allclose(e[sampling], p[sampling], atol=1e-6), f"{where}: e_j != p_j"
             greedy = (inputs["temperature"] == 0)[:, None] & emitted_at
@@ -215,8 +226,7 @@ def test_lenient_first_token_follows_emitted_distribution(with_draft_probs):
     if not with_draft_probs:  # one deterministic draft token for all rows, so e_0 is one law
         inputs["draft_tokens"][:] = inputs["draft_tokens"][0]
     result = verify_ref(**inputs, lenience=2.5)
-    e = emitted_distribution(**{n: v for n, v in inputs.items() if n not in ("seed", "offset")}, lenience=2.5,
-                             result=result)[:, 0]
+    e = emitted(inputs, 2.5, result)[:, 0]
     assert torch.allclose(e, e[:1], atol=1e-6), f"seed={seed}: e_0 must not depend on the row"
     assert_distribution(first_emitted(inputs, result).cpu(), e[0].cpu())
 
@@ -227,8 +237,7 @@ def test_kernel_draws_follow_emitted_distribution():
     seed = fresh_seed()
     inputs = same_logits_batch(torch.Generator().manual_seed(seed), KERNEL_DRAWS, 1, 5, 1.2, 0, 1.0, True)
     result = verify(**inputs, lenience=2.5)
-    e = emitted_distribution(**{n: v for n, v in inputs.items() if n not in ("seed", "offset")}, lenience=2.5,
-                             result=result)[0, 0]
+    e = emitted(inputs, 2.5, result)[0, 0]
     assert_distribution(first_emitted(inputs, result).cpu(), e.cpu())
 
 
@@ -249,3 +258,14 @@ def test_bad_input_is_rejected():
             verify_ref(**dict(inputs, num_drafts=torch.tensor([1, 4])))
         with pytest.raises(ValueError, match="top_p"):
             verify(**dict(inputs, top_p=torch.tensor([0.0, 1.0])))
+
+
+def test_uniforms_stay_strictly_inside_zero_one():
+    """A uniform of exactly 0 or 1 would make a Gumbel score infinite (a lossless-breaking
+    uniformly random token): the extremes of the 23-bit grid must stay inside (0, 1)."""
+    from csd_engine.kernels.random import gumbel_ref, uniform_ref
+    u = uniform_ref(torch.arange(4), torch.arange(4)[:, None], torch.arange(200_000))
+    assert 0 < u.min().item() and u.max().item() < 1
+    top = (torch.tensor((1 << 23) - 1, dtype=torch.float32) + 0.5) * (1.0 / 8388608.0)
+    assert top.item() < 1.0
+    assert torch.isfinite(gumbel_ref(torch.arange(4), 0, torch.arange(200_000))).all()
