@@ -18,6 +18,7 @@ next review instead of leaving the batch. Intermediate levels read their accept 
 the host once per review (the loop bound is data-dependent and MaG runs on the host); the
 target level's result is read once per step by the engine.
 """
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,11 @@ class Cascade:
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
         object.__setattr__(self, "k_matrix", tuple(tuple(r) for r in rows))
 
+    @staticmethod
+    def auto(**kwargs) -> "AutoCascade":
+        """A cascade that picks K and lenience itself from measured acceptance and costs."""
+        return AutoCascade(**kwargs)
+
     def decoder(self, engine):
         if not engine.drafters:
             raise ValueError("Cascade needs at least one drafter (e.g. drafters=['mag'])")
@@ -122,6 +128,7 @@ class CascadeDecoder:
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         self.q = None if state.all_greedy else torch.zeros(b, self.max_draft, self.target.vocab_size, device=dev)
         self.reviews = 0
+        self.current_reviewer = None
         length = self._draft(state, list(range(len(self.drafters))), self.k, base.clone(), base, state.active)
         n_draft = length - base
         width = int(n_draft.max())
@@ -130,6 +137,7 @@ class CascadeDecoder:
         ids = torch.cat([state.pending[:, None], drafts], 1)
         logits = self._forward(self.target, state, ids, state.committed, width + 1)
         q = None if self.q is None else self.q[:, :width]
+        self.current_reviewer = -1  # the target
         res = self.verifier.chain(logits, drafts, n_draft, q, lenience=1.0, **state.sampling_args(0))
         n = res.num_accepted.to(torch.int64)
         self.target.cache.advance((n + 1) * state.active)
@@ -204,6 +212,7 @@ class CascadeDecoder:
             qrel = ((mark - base)[:, None] + torch.arange(width, device=dev)).clamp(0, self.q.shape[1] - 1)
             q = self.q.gather(1, qrel[:, :, None].expand(-1, -1, self.q.shape[2]))
         self.reviews += 1
+        self.current_reviewer = d
         args = state.sampling_args(self.stream_id(d))
         res = self.verifier.chain(logits, drafts, m, q, lenience=self.lenience, **args)
         n = res.num_accepted.to(torch.int64)
@@ -241,3 +250,180 @@ class CascadeDecoder:
         if model is not self.target:
             model.cache.advance(fed if isinstance(fed, torch.Tensor) else torch.full_like(feed_from, fed))
         return out
+
+
+# -- self-tuning ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AutoCascade:
+    """Cascade that chooses K and lenience itself (for one neural drafter and/or MaG).
+
+    Calibration: a few productive steps in each of a handful of probe configurations measure
+    acceptance (target on drafter tokens, target on MaG tokens, drafter on MaG tokens, per
+    lenience) and each model's forward time as a function of tokens fed. Then the
+    expected-tokens-per-cost model picks the best (K, lenience) from a grid, and it is
+    re-picked every `retune_every` steps from the running statistics."""
+
+    lenience_choices: tuple = (1.0, 2.0, 4.0)
+    max_tokens: int = 10  # largest K entry tried
+    calibration_steps: int = 2
+    retune_every: int = 8
+
+    def decoder(self, engine):
+        neural = [i for i, d in enumerate(engine.drafters) if not isinstance(d, MaG)]
+        mags = [i for i, d in enumerate(engine.drafters) if isinstance(d, MaG)]
+        if len(neural) > 1 or len(engine.drafters) > 2 or not engine.drafters or (neural and mags and mags[0] < neural[0]):
+            raise ValueError("Cascade.auto() tunes a target with one neural drafter and/or MaG (drafters=[model, 'mag'], "
+                             "[model] or ['mag']); give an explicit Cascade(k_matrix=...) for deeper cascades")
+        return AutoCascadeDecoder(engine, self, has_model=bool(neural), has_mag=bool(mags))
+
+
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens per review of a chain whose j-th draft is accepted with conditional rate alphas[j]
+    (bonus included): 1 + a1 + a1 a2 + ...; for a constant a this is (1 - a^(k+1)) / (1 - a)."""
+    total, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        total += run
+    return total
+
+
+class AutoCascadeDecoder:
+    def __init__(self, engine, cfg: AutoCascade, has_model: bool, has_mag: bool):
+        self.engine, self.cfg = engine, cfg
+        self.has_model, self.has_mag = has_model, has_mag
+        self.costs: dict[int, dict[int, float]] = {}  # model index (-1 target) -> tokens fed -> seconds (EMA)
+        self.rates: dict[tuple, list[float]] = {}  # (reviewer, source, lenience) -> [accepted, tested]
+        self.probes = self._probes()
+        self.steps = 0
+        self.decoder = None
+        m = cfg.max_tokens
+        self.max_tokens_per_forward = _max_growth([[m, m], [0, m]], [False, True], m) + 2
+        self.choice = None
+
+    # probe configurations: each isolates one acceptance rate
+    def _probes(self):
+        m = self.cfg.max_tokens
+        n = len(self.engine.drafters)
+        probes = []
+        if self.has_mag:
+            probes.append((_k(n, self.has_model, 0, 6, 4), 1.0))
+        if self.has_model:
+            for lenience in self.cfg.lenience_choices if self.has_mag else (1.0,):
+                probes.append((_k(n, self.has_model, 4, 0, 4), lenience))
+        return [(k, lenience) for k, lenience in probes if max(map(max, k)) <= m]
+
+    def start(self, state, prompt_ids):
+        self._use(*self.probes[0])
+        self.decoder.start(state, prompt_ids)
+
+    def observe(self, emitted):
+        self.decoder.observe(emitted)
+
+    def _use(self, k, lenience):
+        mag_tokens = max(k[-1][-1], 1) if self.has_mag else 1
+        decoder = CascadeDecoder(self.engine, k, lenience, mag_tokens)
+        decoder._forward = self._timed(decoder._forward)
+        decoder.verifier = _RateRecorder(self.engine.verifier, self, lenience, decoder)
+        if self.decoder is not None:
+            decoder.q = self.decoder.q
+        self.decoder, self.choice = decoder, (k, lenience)
+
+    def _timed(self, forward):
+        def timed(model, state, ids, feed_from, width, upto=None):
+            t = time.perf_counter()
+            out = forward(model, state, ids, feed_from, width, upto)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            key = -1 if model is self.engine.target else self.engine.drafters.index(model)
+            n = ids.shape[1] if ids is not None else width
+            table = self.costs.setdefault(key, {})
+            dt = time.perf_counter() - t
+            table[n] = dt if n not in table else 0.7 * table[n] + 0.3 * dt
+            return out
+        return timed
+
+    def step(self, state):
+        out = self.decoder.step(state)
+        self.steps += 1
+        calib = self.cfg.calibration_steps
+        phase = self.steps // calib
+        if self.steps % calib == 0 and phase < len(self.probes):
+            self._use(*self.probes[phase])
+        elif phase >= len(self.probes) and (self.steps - len(self.probes) * calib) % self.cfg.retune_every == 0:
+            self._use(*self.best())
+        return out
+
+    # -- the cost model ---------------------------------------------------------------------------
+    def rate(self, reviewer, source, lenience=1.0, default=0.5):
+        acc, tested = self.rates.get((reviewer, source, lenience), (0.0, 0.0))
+        return (acc + default) / (tested + 1.0)  # a weak prior keeps unmeasured rates sane
+
+    def cost(self, model, n):
+        table = self.costs.get(model, {})
+        if not table:
+            return 0.0
+        if n in table:
+            return table[n]
+        pts = sorted(table.items())
+        if len(pts) == 1:
+            return pts[0][1]
+        (n0, c0), (n1, c1) = pts[0], pts[-1]
+        return c0 + (c1 - c0) * (n - n0) / max(n1 - n0, 1)
+
+    def predicted_speed(self, a, b, m, lenience):
+        """Expected tokens per second of K = [[a, b], [0, m]] (a drafter tokens, then b MaG tokens;
+        the drafter reviews m MaG tokens at a time)."""
+        t_model, t_mag = self.rate(-1, "model", lenience), self.rate(-1, "mag")
+        tokens = expected_tokens([t_model] * a + [t_mag] * b)
+        seconds = self.cost(-1, a + b + 1)
+        if a:
+            d = self.engine.drafters.index(next(x for x in self.engine.drafters if not isinstance(x, MaG)))
+            per_review = expected_tokens([self.rate(d, "mag", lenience)] * m) if self.has_mag else 1.0
+            seconds += -(-a // max(per_review, 1.0)) * self.cost(d, m + 1)
+        return tokens / max(seconds, 1e-9)
+
+    def best(self):
+        n = len(self.engine.drafters)
+        grid = range(0, self.cfg.max_tokens + 1, 2)
+        best, choice = -1.0, self.choice
+        for a in grid if self.has_model else [0]:
+            for b in grid if self.has_mag else [0]:
+                if a + b == 0:
+                    continue
+                for m in (grid[1:] if (self.has_mag and self.has_model and a) else [0]):
+                    for lenience in (self.cfg.lenience_choices if a and self.has_mag else (1.0,)):
+                        speed = self.predicted_speed(a, b, m, lenience)
+                        if speed > best:
+                            best, choice = speed, (_k(n, self.has_model, a, b, max(m, 1)), lenience)
+        return choice
+
+
+def _k(n, has_model, a, b, m):
+    """K for drafters [model, mag] (n=2), [model] or [mag] (n=1)."""
+    if n == 2:
+        return ((a, b), (0, m))
+    return ((a,),) if has_model else ((b,),)
+
+
+class _RateRecorder:
+    """Verifier wrapper that records, per (reviewer, source of the drafts), how many drafts
+    were tested and accepted, for the cost model."""
+
+    def __init__(self, verifier, auto, lenience, decoder):
+        self._v, self._auto, self._lenience, self._decoder = verifier, auto, lenience, decoder
+        self.emitted_distribution = verifier.emitted_distribution
+        self.reviewer_probs = verifier.reviewer_probs
+
+    def chain(self, logits, drafts, num_drafts, q, lenience, **args):
+        res = self._v.chain(logits, drafts, num_drafts, q, lenience=lenience, **args)
+        n = res.num_accepted.to(torch.int64)
+        tested = torch.minimum(n + 1, num_drafts.to(torch.int64))
+        reviewer = self._decoder.current_reviewer
+        k = self._decoder.k
+        first_is_model = reviewer == -1 and self._auto.has_model and k[0][0] > 0
+        source = "model" if first_is_model else "mag"
+        lenience_key = self._lenience if source == "model" or reviewer != -1 else 1.0
+        entry = self._auto.rates.setdefault((reviewer, source, lenience_key), [0.0, 0.0])
+        entry[0] += float(n.sum())
+        entry[1] += float(tested.sum())
+        return res
