@@ -215,7 +215,8 @@ def test_first_token_follows_p(with_draft_probs, temperature, top_k, top_p):
     result = verify_ref(**inputs)
     p = reviewer_probs(inputs["logits"][:1, 0], *(inputs[n][:1] for n in ("temperature", "top_k", "top_p")))[0]
     rejected_first = (result.num_accepted == 0).float().mean().item()
-    assert 0.005 < rejected_first < 0.995, f"seed={seed}: first drafts rejected {rejected_first:.3f} of the time"
+    # Both paths (accept, and residual sampling) must occur; a few dozen of 20000 suffice.
+    assert 0.001 < rejected_first < 0.999, f"seed={seed}: first drafts rejected {rejected_first:.4f} of the time"
     assert_distribution(first_emitted(inputs, result).cpu(), p.cpu())
 
 
@@ -264,8 +265,8 @@ def test_uniforms_stay_strictly_inside_zero_one():
     """A uniform of exactly 0 or 1 would make a Gumbel score infinite (a lossless-breaking
     uniformly random token): the extremes of the 23-bit grid must stay inside (0, 1)."""
     from csd_engine.kernels.random import gumbel_ref, uniform_ref
-    u = uniform_ref(torch.arange(4), torch.arange(4)[:, None], torch.arange(200_000))
+    u = uniform_ref(torch.arange(4)[:, None], torch.arange(4)[:, None], torch.arange(200_000))
     assert 0 < u.min().item() and u.max().item() < 1
     top = (torch.tensor((1 << 23) - 1, dtype=torch.float32) + 0.5) * (1.0 / 8388608.0)
     assert top.item() < 1.0
-    assert torch.isfinite(gumbel_ref(torch.arange(4), 0, torch.arange(200_000))).all()
+    assert torch.isfinite(gumbel_ref(torch.arange(4)[:, None], 0, torch.arange(200_000))).all()
