@@ -3,7 +3,7 @@ import torch  # noqa: F401  (load torch before the compiled extension)
 
 from csd_engine.engine import Engine, GenerationResult, Metrics
 from csd_engine.params import SamplingParams
-from csd_engine.strategies import AutoCascade, Autoregressive, Cascade, Speculative, Staged
+from csd_engine.strategies import AutoCascade, Autoregressive, Cascade, Pearl, Speculative, Staged
 
-__all__ = ["Engine", "GenerationResult", "Metrics", "SamplingParams", "Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged"]
+__all__ = ["Engine", "GenerationResult", "Metrics", "SamplingParams", "Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged", "Pearl"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 from csd_engine.strategies.autoregressive import Autoregressive
 from csd_engine.strategies.cascade import AutoCascade, Cascade
+from csd_engine.strategies.pearl import Pearl
 from csd_engine.strategies.speculative import Speculative
 from csd_engine.strategies.staged import Staged
 
-__all__ = ["Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged"]
+__all__ = ["Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged", "Pearl"]

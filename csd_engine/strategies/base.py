@@ -57,6 +57,8 @@ class StepMetrics:
     drafted_by_position: torch.Tensor | None = None
     level_accepted: dict = field(default_factory=dict)  # level -> [B]
     level_drafted: dict = field(default_factory=dict)
+    draft_lengths: torch.Tensor | None = None  # [B, L] rounds in which row b offered the target l draft tokens
+    wait_time_s: dict = field(default_factory=dict)  # side -> seconds it waited for the other (parallel strategies)
 
     def count_drafter(self, drafter: int, n: int = 1) -> None:
         """Count forwards of engine.drafters[drafter]."""

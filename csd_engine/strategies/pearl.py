@@ -1,0 +1,183 @@
+"""PEARL (ALGORITHMS.md section 6): the drafter and the target run at the same time.
+
+Every round is one target forward and `gamma` drafter forwards running concurrently, then
+one chain verification on the main thread. Each row is in one of two modes:
+
+* pre-verify (nothing drafted ahead): the target reads [pending] while the drafter drafts
+  e_1..e_γ from the same point; e_1 is then verified against the target's p_1. Rejected: the
+  correction is emitted and the drafter rolls back, dropping e_2..e_γ. Accepted: e_1 is
+  emitted, e_2..e_γ are carried and the row moves to post-verify.
+* post-verify (γ-1 carried drafts d_1..d_{γ-1}): the target reads [pending, d_1..d_{γ-1}]
+  while the drafter extends the carry by e_1..e_γ as if all of it were accepted. The chain
+  d_1..d_{γ-1}, e_1 is verified, e_1 against the distribution at the bonus position, so no
+  target output is wasted and no bonus token is drawn. All accepted: e_2..e_γ is the next
+  carry. Otherwise the correction is emitted, both caches roll back by length, and the row
+  returns to pre-verify.
+As in the published code, pre-verify's target forward needs no draft token (p_1 depends on
+the prefix only), so no drafter forward runs before the target starts. A draft grows by γ
+every round while it is accepted and is cut after one token when its first token is
+rejected: the draft length adapts by itself. With γ = 1 there is nothing to carry: every
+round is a pre-verify round that emits one token.
+
+Metrics: `draft_lengths` counts, per row, the rounds that offered the target 1 (pre-verify),
+γ (post-verify) or γ-1 (adaptive=False) drafts; `wait_time_s` books, per round, how long the
+side that finished its forwards first waited for the other (host wall clock; on CUDA that is
+launch time, not kernel time).
+
+Lossless as in section 1: every emitted token passes the standard chain rule, on the main
+thread, with the same verifier call as Speculative; drafts are sampled from their own random
+stream and `state.offset` moves past every counter a round uses, so no number is reused.
+The parallel part is only the model forwards: decisions never depend on timing.
+
+Modes are per row (a device mask), so ragged acceptance in a batch costs nothing: the
+target reads γ tokens when any row is in post-verify (pre-verify rows pad), one otherwise;
+that choice is read on the host once per step, after the engine's own read has already
+synchronised the device.
+
+Concurrency: the drafter side runs in a worker thread owned by the decoder (PyTorch releases
+the GIL inside its ops), on CPU and GPU alike; on CUDA it also runs on a side stream, which
+waits for the main stream before starting, and the main stream waits for it before the
+verification. Two devices (the published setting) would be a drafter runner built on its own
+device, with its inputs and drafts copied across; the engine places every model on
+`engine.device` today.
+"""
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from csd_engine.drafters.mag import MaG
+from csd_engine.strategies.base import DecodeState, StepMetrics, StepOutput, emitted_block, forward_tokens
+from csd_engine.strategies.speculative import draft_chain
+
+TARGET_STREAM, DRAFT_STREAM = 0, 1
+
+
+@dataclass(frozen=True)
+class Pearl:
+    """gamma: drafter forwards per round (a draft grows by gamma per accepted round), from
+    engine.drafters[drafter], which must be a neural model. adaptive=False turns post-verify
+    off (the paper's ablation): after a successful pre-verify the remaining gamma-1 drafts are
+    verified with a bonus token and the row returns to pre-verify, so drafts never exceed gamma."""
+
+    gamma: int = 4
+    drafter: int = 0
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
+            raise ValueError(f"Pearl.gamma must be an int in [1, 64], got {self.gamma!r}")
+        if isinstance(self.drafter, bool) or not isinstance(self.drafter, int) or self.drafter < 0:
+            raise ValueError(f"Pearl.drafter must be an int >= 0 (an index into engine.drafters), got {self.drafter!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"Pearl.adaptive must be True or False, got {self.adaptive!r}")
+
+    def decoder(self, engine):
+        if self.drafter >= len(engine.drafters):
+            raise ValueError(f"Pearl(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
+                             f"the engine has {len(engine.drafters)} drafter(s)")
+        if isinstance(engine.drafters[self.drafter], MaG):
+            raise ValueError(f"Pearl needs a neural drafter, but engine.drafters[{self.drafter}] is MaG (it proposes "
+                             "on the host, there is no forward to overlap): use Speculative or Cascade with MaG")
+        return PearlDecoder(engine, self.gamma, self.drafter, self.adaptive)
+
+
+def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The chain each row submits to the target: its carried drafts then the first new one
+    (post-verify rows), or the new drafts from the first, of which only the first counts
+    (pre-verify rows). Works on tokens ([B, γ-1] carried, [B, γ] new) and on their
+    distributions ([B, γ-1, V], [B, γ, V]). One column when no row is in post-verify."""
+    if not any_post:
+        return new[:, :1]
+    mask = post.view(-1, *[1] * (new.dim() - 1))
+    return torch.where(mask, torch.cat([carried, new[:, :1]], 1), new)
+
+
+class PearlDecoder:
+    def __init__(self, engine, gamma: int, drafter_index: int, adaptive: bool):
+        self.target = engine.target
+        self.drafter = engine.drafters[drafter_index]
+        self.drafter_index = drafter_index
+        self.verifier = engine.verifier
+        self.gamma = gamma
+        self.adaptive = adaptive
+        # The drafter writes up to 2γ - 1 slots past the committed prefix (carry + extension).
+        self.max_tokens_per_forward = 2 * gamma
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-drafter")
+        self.side_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+
+    def start(self, state: DecodeState, prompt_ids) -> None:
+        b, dev = state.batch, state.pending.device
+        self.post = torch.zeros(b, dtype=torch.bool, device=dev)  # row has gamma-1 drafts carried
+        self.carry = torch.zeros(b, self.gamma - 1, dtype=torch.int64, device=dev)
+        self.carry_q = None  # their distributions (None while every row is greedy)
+        state.metrics.draft_lengths = torch.zeros(b, self.gamma + 1, dtype=torch.int64, device=dev)
+        state.metrics.wait_time_s = {"drafter": 0.0, "target": 0.0}
+
+    def step(self, state: DecodeState) -> StepOutput:
+        g = self.gamma
+        post = self.post & state.active
+        any_post = bool(post.any())  # the device is idle here: the engine has just read the last step
+        job = self._submit_drafter(state, post, any_post)
+        target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
+        logits = forward_tokens(self.target, state, target_ids)
+        new, new_q = self._join(job, state.metrics, time.perf_counter())
+
+        drafts = submitted_chain(post, any_post, self.carry, new)
+        q = None if new_q is None else submitted_chain(post, any_post, self.carry_q, new_q)
+        # The last draft sits at the bonus position: a placeholder row stands for the target
+        # output after it, and the bonus drawn from it is never emitted.
+        logits = torch.cat([logits, logits[:, -1:]], 1)
+        with_bonus = post & (not self.adaptive)  # post-verify off: verify the carry alone, then a bonus
+        num_drafts = torch.where(post, drafts.shape[1] - with_bonus.to(torch.int64), 1)
+        res = self.verifier.chain(logits, drafts, num_drafts, q, lenience=1.0, **state.sampling_args(TARGET_STREAM))
+        n = res.num_accepted.to(torch.int64)
+        whole = (n == num_drafts) & ~with_bonus  # the chain up to e_1 holds: e_2..e_γ stay valid
+        counts = torch.where(whole, n, n + 1)
+
+        self.target.cache.advance(counts * state.active)
+        self.drafter.cache.rollback(torch.where(whole, self.drafter.cache.lengths, state.committed + counts))
+        self.post = whole & (g > 1)
+        self.carry = new[:, 1:]
+        self.carry_q = None if new_q is None else new_q[:, 1:]
+        state.offset += g + 1  # drafts drew offset..offset+γ-1, the verifier offset..offset+γ
+        m = state.metrics
+        m.target_forwards += 1
+        m.count_drafter(self.drafter_index, g)
+        m.record(0, n, num_drafts, state.active)
+        m.draft_lengths.scatter_add_(1, num_drafts[:, None], state.active.to(torch.int64)[:, None])
+        return StepOutput(emitted_block(drafts, n, res.next_token), counts)
+
+    def _submit_drafter(self, state: DecodeState, post: torch.Tensor, any_post: bool):
+        if self.side_stream is not None:  # the drafter's inputs were produced on the main stream
+            self.side_stream.wait_stream(torch.cuda.current_stream())
+        return self.pool.submit(self._draft, state, post, any_post)
+
+    def _draft(self, state: DecodeState, post: torch.Tensor, any_post: bool):
+        """The drafter side of a round (worker thread): gamma tokens drafted after the end of its
+        cache, i.e. after `pending` (pre-verify) or after the carried drafts (post-verify).
+        Returns (tokens [B, γ], distributions [B, γ, V] or None, the host time it finished)."""
+        side = contextlib.nullcontext() if self.side_stream is None else torch.cuda.stream(self.side_stream)
+        with side:
+            first = torch.where(post, self.carry[:, -1], state.pending) if any_post else state.pending
+            # Seen from draft_chain, the drafter's cache is the committed prefix and `first` the
+            # pending token; a row may be gamma-1 ahead of `committed` (also a finished row).
+            drafter_view = replace(state, pending=first, committed=self.drafter.cache.lengths.clone(),
+                                   max_committed=state.max_committed + self.gamma - 1, metrics=StepMetrics())
+            tokens, probs = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
+        return tokens, probs, time.perf_counter()
+
+    def _join(self, job, metrics: StepMetrics, target_done: float):
+        """Wait for the drafter; book which side waited for the other (host wall clock)."""
+        tokens, probs, drafter_done = job.result()
+        metrics.wait_time_s["target"] += max(0.0, drafter_done - target_done)
+        metrics.wait_time_s["drafter"] += max(0.0, target_done - drafter_done)
+        if self.side_stream is not None:
+            main = torch.cuda.current_stream()
+            main.wait_stream(self.side_stream)
+            for t in (tokens, probs):  # made on the side stream, used on the main one from now on
+                if t is not None:
+                    t.record_stream(main)
+        return tokens, probs

@@ -1,0 +1,178 @@
+"""PEARL is lossless whatever runs in parallel: greedy equals plain greedy decoding, sampling
+follows the target (including the drafter's extension checked at the bonus position), both
+caches hold exactly the committed sequence after many mode switches, and threads never make
+the output depend on timing."""
+import pytest
+import torch
+
+from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine.models.loader import load_runner
+from csd_engine.models.runner import ForwardBatch
+from csd_engine.strategies.pearl import Pearl
+from tests.stats import assert_distribution
+from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
+from tests.tiny_models import perturbed, random_prompts, tiny_llama
+
+# noise 0: the drafter is the target (every draft accepted, post-verify all the time);
+# 0.1: agrees often, so rows switch modes at different rounds; 3.0: nearly every pre-verify fails.
+NOISES = (0.0, 0.1, 3.0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=21)
+    return target, [perturbed(target, noise=n, seed=22) for n in NOISES]
+
+
+def fresh_seed() -> int:
+    seed = int(torch.randint(0, 10**6, (1,)))
+    print(f"seed {seed}")  # pytest shows it with any failure, statistical ones included
+    return seed
+
+
+def assert_metrics_consistent(result, gamma):
+    m = result.metrics
+    assert sum(m.draft_lengths.values()) == m.target_forwards, m  # one histogram entry per round
+    assert set(m.draft_lengths) <= {1, gamma - 1, gamma}
+    assert m.mean_accepted_tokens >= 1
+    assert sum(m.drafter_forwards) == gamma * m.target_forwards
+    assert sorted(m.wait_time_s) == ["drafter", "target"] and min(m.wait_time_s.values()) >= 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_autoregressive(models, batch):
+    """Every gamma with every drafter, ragged prompts; adaptive=False (post-verify off) too."""
+    target, drafters = models
+    engine = Engine(target, drafters=drafters, max_batch_size=3, max_seq_len=96, verify_backend="torch")
+    seed = fresh_seed()
+    prompts = random_prompts(batch, lo=1, hi=14, seed=seed)
+    params = SamplingParams(max_new_tokens=24)
+    plain = engine.generate(prompts, params, strategy=Autoregressive())
+    for gamma, adaptive in ((1, True), (3, True), (5, True), (3, False)):
+        for drafter, noise in enumerate(NOISES):
+            out = engine.generate(prompts, params, strategy=Pearl(gamma=gamma, drafter=drafter, adaptive=adaptive))
+            case = f"seed {seed}, gamma {gamma}, adaptive {adaptive}, drafter noise {noise}"
+            assert [r.token_ids for r in out] == [r.token_ids for r in plain], case
+            for r in out:
+                assert_metrics_consistent(r, gamma)
+                assert adaptive or gamma not in r.metrics.draft_lengths, case  # drafts stop at gamma
+            m = out[0].metrics
+            if noise == 0 and gamma > 1:  # the drafter is the target: every draft is accepted
+                assert m.accepted == m.drafted, case
+                if adaptive:  # one pre-verify round, then post-verify for good
+                    assert m.draft_lengths == {1: 1, gamma: m.target_forwards - 1}, case
+                else:  # pre-verify (1 draft) and the rest of the draft (gamma-1, bonus) alternate
+                    assert abs(m.draft_lengths[1] - m.draft_lengths[gamma - 1]) <= 1, case
+            if noise == 3.0:
+                assert m.accepted < m.drafted, case
+
+
+@pytest.mark.parametrize("temperature,top_k,adaptive", [(1.0, 0, True), (0.7, 20, True), (1.0, 0, False)])
+def test_sampling_follows_the_target(models, temperature, top_k, adaptive):
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=2000, max_seq_len=32, verify_backend="torch")
+    gamma = 3
+    results = assert_samples_follow_target(engine, target, [5, 17, 5, 17, 5], Pearl(gamma=gamma, adaptive=adaptive),
+                                           temperature, top_k)
+    # The second token comes from post-verify rounds (a carried draft) as well as pre-verify ones.
+    assert sum(r.metrics.draft_lengths.get(gamma if adaptive else gamma - 1, 0) for r in results) > 200
+    assert sum(r.metrics.accepted for r in results) > 0
+
+
+def test_extension_token_follows_the_target(models):
+    """With gamma=2 the third token of a row whose first two drafts were accepted is the
+    drafter's extension, verified against the target's distribution at the bonus position.
+    Checked on the exact marginal of the third token (all 96^2 two-token prefixes)."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=2000, max_seq_len=32, verify_backend="torch")
+    prompt, draws, base = [5, 17, 5, 17, 5], 2000, fresh_seed()
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=base + i) for i in range(draws)]
+    results = engine.generate([prompt] * draws, params, strategy=Pearl(gamma=2))
+    # Three accepted drafts in three tokens: e_1 (pre-verify), then e_2 and the extension (post-verify).
+    assert sum(r.metrics.accepted == 3 for r in results) > draws // 4
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        first = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)  # [V]
+        one_token = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        second = torch.softmax(target(one_token).logits[:, -1].double(), -1)  # [V, V]
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (t1, t2), t1-major
+        prefixes = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], 1)
+        third = torch.softmax(target(prefixes).logits[:, -1].double(), -1)  # [V*V, V]
+    marginal = ((first[:, None] * second).reshape(-1, 1) * third).sum(0)
+    assert_distribution(torch.tensor([r.token_ids[2] for r in results]), marginal)
+
+
+def committed_prefix_matches_fresh_prefill(model, runner, row: int, sequence: list[int]) -> None:
+    """The first len(sequence) cache entries of `row` equal those of a fresh prefill of `sequence`."""
+    fresh, _ = load_runner(model, "cpu", torch.float32)
+    fresh.allocate(1, len(sequence) + 8)
+    fresh.cache.reset()
+    fresh(ForwardBatch.chain(torch.tensor([sequence]), fresh.cache.lengths, len(sequence), need_logits=False))
+    n = len(sequence)
+    for name in ("k", "v"):
+        got = getattr(runner.cache, name)[:, row, :, :n]
+        want = getattr(fresh.cache, name)[:, 0, :, :n]
+        err = (got - want).abs().max().item()
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), f"row {row}: cache {name} differs by {err:.2e}"
+
+
+def test_both_caches_hold_the_committed_sequence_after_many_switches(models):
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=3, max_seq_len=192, verify_backend="torch")
+    seed = fresh_seed()
+    prompts = random_prompts(3, lo=1, hi=14, seed=seed)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=150, seed=seed + i) for i in range(3)]
+    gamma = 3
+    results = engine.generate(prompts, params, strategy=Pearl(gamma=gamma))
+    target_lengths = engine.target.cache.lengths.tolist()
+    drafter_lengths = engine.drafters[0].cache.lengths.tolist()
+    for row, (prompt, r) in enumerate(zip(prompts, results)):
+        assert r.metrics.draft_lengths.get(1, 0) > 5 and r.metrics.draft_lengths.get(gamma, 0) > 5, f"seed {seed}"
+        # The last emitted token is pending; the final step may have committed a few tokens past the limit.
+        sequence = (prompt + r.token_ids)[:-1]
+        assert len(sequence) <= target_lengths[row] < len(sequence) + gamma, f"seed {seed}"
+        assert len(sequence) <= drafter_lengths[row] < target_lengths[row] + gamma, f"seed {seed}"
+        committed_prefix_matches_fresh_prefill(target, engine.target, row, sequence)
+        committed_prefix_matches_fresh_prefill(drafters[1], engine.drafters[0], row, sequence)
+
+
+def test_same_seeds_give_the_same_tokens_despite_threads(models):
+    """Also runs the default (Triton) verification backend, with the drafter's sampling inside
+    the worker thread."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=3, max_seq_len=64)
+    seed = fresh_seed()
+    prompts = random_prompts(3, lo=1, hi=14, seed=seed)
+    params = [SamplingParams(temperature=0.8, max_new_tokens=10, seed=seed + i) for i in range(3)]
+    runs = [engine.generate(prompts, params, strategy=Pearl(gamma=3)) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids, f"seed {seed}"
+        assert a.metrics.draft_lengths == b.metrics.draft_lengths
+        assert_metrics_consistent(a, 3)
+
+
+def test_bad_configurations_are_refused(models):
+    target, drafters = models
+    for bad in (0, -1, 65, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="gamma must be"):
+            Pearl(gamma=bad)
+    with pytest.raises(ValueError, match="drafter must be"):
+        Pearl(drafter=-1)
+    with pytest.raises(ValueError, match="adaptive must be"):
+        Pearl(adaptive="yes")
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="needs engine.drafters"):
+        Engine(target, max_batch_size=1, max_seq_len=32).generate([[1, 2]], params, strategy=Pearl())
+    with pytest.raises(ValueError, match="neural drafter"):
+        Engine(target, drafters=["mag"], max_batch_size=1, max_seq_len=32).generate([[1, 2]], params, strategy=Pearl())
+    engine = Engine(target, drafters=[drafters[0], "mag"], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="neural drafter"):
+        engine.generate([[1, 2]], params, strategy=Pearl(drafter=1))
+    assert engine.generate([[1, 2]], params, strategy=Pearl(drafter=0))[0].token_ids
+
+
+@pytest.mark.gpu
+def test_greedy_equals_autoregressive_on_cuda_streams(models):
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], device="cuda", max_batch_size=3, max_seq_len=96)
+    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()), Pearl(gamma=3))
