@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import csd_engine
 from bench.common import load_prompts, print_table, progress, resolve_model, write_json
-from csd_engine import Autoregressive, Cascade, SamplingParams, Speculative
+from csd_engine import Autoregressive, Cascade, Pearl, SamplingParams, Speculative, Staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ("hf", "hf-assisted", "hf-lookup", "ar", "spec-model", "spec-mag", "cascade", "cascade-mag", "cascade-auto")
+METHODS = ("hf", "hf-assisted", "hf-lookup", "ar", "spec-model", "spec-mag", "cascade", "cascade-mag", "cascade-auto",
+           "staged", "pearl")
 
 
 def main():
@@ -55,7 +56,6 @@ def main():
                                max_seq_len=1024, tokenizer=tok)
     engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1,
                                    max_seq_len=1024, tokenizer=tok)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     strategies = {
         "ar": (engine, Autoregressive()),
         "spec-model": (engine, Speculative(k=args.k, drafter=0)),
@@ -63,6 +63,8 @@ def main():
         "cascade": (engine, Cascade(k_matrix=json.loads(args.k_matrix), lenience=args.lenience, mag_tokens=4)),
         "cascade-mag": (engine_mag, Cascade(k_matrix=json.loads(args.k_mag_matrix), mag_tokens=8)),
         "cascade-auto": (engine, Cascade.auto()),
+        "staged": (engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2)),
+        "pearl": (engine, Pearl(gamma=args.k, drafter=0)),
     }
     names = {"hf": "transformers generate", "hf-assisted": "transformers assisted (0.5B)",
              "hf-lookup": "transformers prompt lookup", "ar": "csd_engine Autoregressive",
@@ -70,31 +72,33 @@ def main():
              "spec-mag": f"csd_engine Speculative(MaG, k={args.k_mag})",
              "cascade": f"csd_engine Cascade(0.5B+MaG, K={args.k_matrix}, l={args.lenience:g})",
              "cascade-mag": f"csd_engine Cascade(MaG, K={args.k_mag_matrix})",
-             "cascade-auto": "csd_engine Cascade.auto()"}
+             "cascade-auto": "csd_engine Cascade.auto()",
+             "staged": "csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)", "pearl": f"csd_engine Pearl(0.5B, gamma={args.k})"}
 
-    def hf_run(ids, **extra):
+    def hf_run(ids, n=args.max_new_tokens, **extra):
         x = torch.tensor([ids])
         with torch.inference_mode():
-            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                   do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id, **extra)
         return out[0, len(ids):].tolist(), None
 
-    def engine_run(name, ids):
+    def engine_run(name, ids, n=args.max_new_tokens):
         eng, strategy = strategies[name]
-        r = eng.generate([ids], params, strategy=strategy)[0]
+        r = eng.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True), strategy=strategy)[0]
         return r.token_ids, r.metrics
 
-    runners = {"hf": lambda ids: hf_run(ids), "hf-assisted": lambda ids: hf_run(ids, assistant_model=drafter),
-               "hf-lookup": lambda ids: hf_run(ids, prompt_lookup_num_tokens=10)}
+    runners = {"hf": lambda ids, **kw: hf_run(ids, **kw),
+               "hf-assisted": lambda ids, **kw: hf_run(ids, assistant_model=drafter, **kw),
+               "hf-lookup": lambda ids, **kw: hf_run(ids, prompt_lookup_num_tokens=10, **kw)}
     for name in strategies:
-        runners[name] = (lambda n: lambda ids: engine_run(n, ids))(name)
+        runners[name] = (lambda key: lambda ids, **kw: engine_run(key, ids, **kw))(name)
 
     prompts = order_by_category(load_prompts())[:args.prompts]
     encoded = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                        tokenize=True, return_dict=True)["input_ids"] for p in prompts]
-    progress("warm-up (one short generation per method)")
+    progress("warm-up (a few tokens per method)")
     for name in methods:
-        runners[name](encoded[0][:32])
+        runners[name](encoded[0][:32], n=6)
 
     stats = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "forwards": 0} for name in methods}
     per_prompt = []
