@@ -54,7 +54,7 @@ from csd_engine.kernels.attention import cache_attention  # noqa: E402
 from csd_engine.kernels.verify import verify  # noqa: E402
 from csd_engine.models.graphs import GraphedRunner  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
-from csd_engine.models.runner import attention_mask  # noqa: E402
+from csd_engine.models.runner import ForwardBatch, attention_mask  # noqa: E402
 
 DTYPE = torch.bfloat16
 COMPILE_BUDGET_S = 220  # seconds the compiled transformers run needs (compile + two generates)
@@ -90,6 +90,14 @@ DRY_RUN = Sizes(verify_batches=(1, 2), verify_ks=(2,), vocabs=(96,), contexts=(6
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def graph_ms(fn, device: torch.device) -> float:
+    """Median milliseconds per call replayed from a CUDA graph: the kernels' own time, without
+    the host's launch overhead (what the engine's graphed runner pays)."""
+    if device.type == "cuda":
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return time_ms(fn, device)
 
 
 def time_ms(fn, device: torch.device) -> float:
@@ -168,10 +176,13 @@ def bench_attention(sizes: Sizes, device: torch.device, copy_gb_per_s: float) ->
 
                 error = (triton_kernel().float() - sdpa().float()).abs().max().item()
                 triton_ms, sdpa_ms = time_ms(triton_kernel, device), time_ms(sdpa, device)
+                triton_graph_ms, sdpa_graph_ms = graph_ms(triton_kernel, device), graph_ms(sdpa, device)
                 kv_bytes = 2 * batch * heads * context * dim * k_cache.element_size()
                 rows.append(dict(batch=batch, n=n, context=context, triton_us=triton_ms * 1e3, sdpa_us=sdpa_ms * 1e3,
-                                 speedup=sdpa_ms / triton_ms, triton_gb_per_s=kv_bytes / triton_ms / 1e6,
-                                 of_copy=kv_bytes / triton_ms / 1e6 / copy_gb_per_s, max_abs_diff=error))
+                                 speedup=sdpa_ms / triton_ms, triton_graph_us=triton_graph_ms * 1e3,
+                                 sdpa_graph_us=sdpa_graph_ms * 1e3, graph_speedup=sdpa_graph_ms / triton_graph_ms,
+                                 triton_gb_per_s=kv_bytes / triton_graph_ms / 1e6,
+                                 of_copy=kv_bytes / triton_graph_ms / 1e6 / copy_gb_per_s, max_abs_diff=error))
                 progress(f"attention B={batch} n={n} ctx={context}: triton {triton_ms * 1e3:.1f} us, "
                          f"sdpa {sdpa_ms * 1e3:.1f} us")
     return rows
@@ -350,6 +361,109 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
     return rows
 
 
+# -- 6. where a target forward's GPU time goes ------------------------------------------------------
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    if "attention" in lowered or "attn" in lowered or "flash" in lowered or "fmha" in lowered:
+        return "attention"
+    if any(word in lowered for word in ("gemm", "gemv", "nvjet", "cutlass", "cublas", "sm90_xmma", "matmul")):
+        return "matmul"
+    return "other"
+
+
+def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
+    """One target forward of n new tokens (n = 1: decoding, n = 5: a chain of 4 drafts) at a
+    512-token context: its GPU kernel time by category (torch.profiler, eager, Triton attention),
+    its time replayed from a CUDA graph, and the weight-bandwidth floor."""
+    from torch.profiler import ProfilerActivity, profile
+    sizes, device, runner = models.sizes, models.device, models.target_runner
+    context = min(512, sizes.max_seq_len // 2)
+    graphed = GraphedRunner(runner)
+    graphed.allocate(1, sizes.max_seq_len + 256)
+    floor_ms = models.weight_bytes / copy_gb_per_s / 1e6
+    rows = []
+    for n in (1, 5):
+        ids = torch.randint(0, sizes.model["vocab_size"], (1, n), device=device)
+
+        def forward(r=graphed):
+            r.cache.lengths.fill_(context)
+            return r(ForwardBatch.chain(ids, r.cache.lengths, context + n))
+
+        forward()  # capture
+        replay_ms = time_ms(forward, device)
+        runner.attention_backend = "triton"
+        eager = lambda: forward(runner)  # noqa: E731
+        eager_ms = time_ms(eager, device)
+        on_gpu = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                eager()
+            sync(device)
+        by_category, kernels = defaultdict(float), 0
+        for event in prof.key_averages():
+            if not on_gpu:  # dry run: the CPU ops stand in for kernels
+                by_category[kernel_category(event.key)] += event.self_cpu_time_total / 5 / 1e3
+                kernels += event.count
+            elif event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+                by_category[kernel_category(event.key)] += event.self_device_time_total / 5 / 1e3
+                kernels += event.count
+        busy = sum(by_category.values())
+        rows.append(dict(n=n, context=context, graph_ms=replay_ms, eager_ms=eager_ms, kernel_ms=busy,
+                         matmul_ms=by_category["matmul"], attention_ms=by_category["attention"],
+                         other_ms=by_category["other"], kernels=kernels // 5, floor_ms=floor_ms,
+                         of_floor=floor_ms / replay_ms))
+        progress(f"forward n={n}: graph {replay_ms:.2f} ms, kernels {busy:.2f} ms "
+                 f"(matmul {by_category['matmul']:.2f}, attention {by_category['attention']:.2f})")
+    return rows
+
+
+# -- 7. PEARL on one GPU: drafter and target on two streams -----------------------------------------
+def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
+    """Pearl(gamma) against Speculative(k=gamma) with the same synthetic drafter, eager and with
+    CUDA graphs. 'sequential' is the round's forwards run one after the other (one target
+    forward of gamma tokens + gamma drafter steps, each timed alone); 'overlap' is the share of
+    the shorter side that the concurrent round hid: (sequential - round) / min(target, drafter)."""
+    sizes, device = models.sizes, models.device
+    prompt = models.prompt()
+    params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
+    rows = []
+    # Triton's interpreter (dry run) is not thread-safe: the graphed runners' Triton attention
+    # cannot run in PEARL's drafter thread there.
+    for variant in ("eager, sdpa", "CUDA graphs") if device.type == "cuda" else ("eager, sdpa",):
+        target, drafter = models.target_runner, models.drafter_runner
+        target.attention_backend = drafter.attention_backend = "sdpa"
+        if variant == "CUDA graphs":
+            target, drafter = GraphedRunner(target), GraphedRunner(drafter)
+        engine = engine_for(target, [drafter], models)
+        alone = {}
+        for name, runner, n in (("target", target, gamma), ("drafter", drafter, 1)):
+            ids = torch.randint(0, sizes.model["vocab_size"], (1, n), device=device)
+
+            def forward(r=runner, ids=ids, n=n):
+                r.cache.lengths.fill_(sizes.prompt_tokens + 32)
+                return r(ForwardBatch.chain(ids, r.cache.lengths, sizes.prompt_tokens + 32 + n))
+
+            forward()
+            alone[name] = time_ms(forward, device)
+        for name, strategy in (("Speculative k=%d" % gamma, csd_engine.Speculative(k=gamma)),
+                               ("Pearl gamma=%d" % gamma, csd_engine.Pearl(gamma=gamma))):
+            engine.generate([prompt], params, strategy=strategy)  # warm-up, graph capture
+            result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], device)
+            m = result.metrics
+            round_ms = seconds / m.target_forwards * 1e3
+            sequential = alone["target"] + gamma * alone["drafter"]
+            row = dict(variant=variant, strategy=name, tokens_per_s=m.new_tokens / seconds, mean_accepted=m.mean_accepted_tokens,
+                       ms_per_round=round_ms, target_alone_ms=alone["target"], drafter_steps_ms=gamma * alone["drafter"],
+                       sequential_ms=sequential,
+                       wait_target_ms=m.wait_time_s.get("target", 0.0) / m.target_forwards * 1e3,
+                       wait_drafter_ms=m.wait_time_s.get("drafter", 0.0) / m.target_forwards * 1e3)
+            if name.startswith("Pearl"):
+                row["overlap"] = (sequential - round_ms) / min(alone["target"], gamma * alone["drafter"])
+            rows.append(row)
+            progress(f"{name}, {variant}: {row['tokens_per_s']:.1f} tokens/s, {round_ms:.2f} ms/round")
+    return rows
+
+
 # -- driver ---------------------------------------------------------------------------------------
 class Report:
     """Sections run in order; each failure is printed and recorded, and the JSON is rewritten
@@ -386,6 +500,9 @@ def print_section(title: str, result, columns) -> None:
     print_table(rows, columns)
 
 
+SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "pearl", "transformers_compiled")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
@@ -393,7 +510,12 @@ def main():
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
     args = ap.parse_args()
+    wanted = set(args.sections.split(","))
+    if wanted - set(SECTIONS):
+        raise SystemExit(f"unknown sections {sorted(wanted - set(SECTIONS))}; allowed: {', '.join(SECTIONS)}")
     start = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -408,41 +530,70 @@ def main():
     copy_gb_per_s = copy.get("gb_per_s", float("nan"))
     print(f"\ncopy bandwidth: {copy_gb_per_s:.0f} GB/s (bytes read + written per second, {sizes.copy_bytes >> 20} MiB)")
 
-    verify_rows = report.run("verify_kernel", lambda: bench_verify(sizes, device, copy_gb_per_s))
-    print_section("chain verification kernel: logits bytes read / time (of_copy: fraction of the copy bandwidth)",
-                  verify_rows, [("vocab", "V", "d"), ("batch", "B", "d"), ("k", "k", "d"), ("mode", "mode", "s"),
-                                ("us", "us", ".1f"), ("gb_per_s", "GB/s", ".0f"), ("of_copy", "of copy", ".2f")])
+    if "verify" in wanted:
+        verify_rows = report.run("verify_kernel", lambda: bench_verify(sizes, device, copy_gb_per_s))
+        print_section("chain verification kernel: logits bytes read / time (of_copy: fraction of the copy bandwidth)",
+                      verify_rows, [("vocab", "V", "d"), ("batch", "B", "d"), ("k", "k", "d"), ("mode", "mode", "s"),
+                                    ("us", "us", ".1f"), ("gb_per_s", "GB/s", ".0f"), ("of_copy", "of copy", ".2f")])
 
-    attention_rows = report.run("attention_kernel", lambda: bench_attention(sizes, device, copy_gb_per_s))
-    print_section(f"attention, {sizes.heads} heads x {sizes.head_dim}, bf16: Triton cache_attention vs the runner's "
-                  "SDPA path (GB/s: K and V bytes / time)", attention_rows,
-                  [("batch", "B", "d"), ("n", "n", "d"), ("context", "context", "d"), ("triton_us", "triton us", ".1f"),
-                   ("sdpa_us", "sdpa us", ".1f"), ("speedup", "speedup", ".2f"),
-                   ("triton_gb_per_s", "triton GB/s", ".0f"), ("of_copy", "of copy", ".2f"),
-                   ("max_abs_diff", "max diff", ".1e")])
+    if "attention" in wanted:
+        attention_rows = report.run("attention_kernel", lambda: bench_attention(sizes, device, copy_gb_per_s))
+        print_section(f"attention, {sizes.heads} heads x {sizes.head_dim}, bf16: Triton cache_attention vs the runner's "
+                      "SDPA path; 'us': launched from Python, 'graph us': replayed from a CUDA graph "
+                      "(GB/s: K and V bytes / graph time)", attention_rows,
+                      [("batch", "B", "d"), ("n", "n", "d"), ("context", "context", "d"),
+                       ("triton_us", "triton us", ".1f"), ("sdpa_us", "sdpa us", ".1f"), ("speedup", "speedup", ".2f"),
+                       ("triton_graph_us", "triton graph us", ".1f"), ("sdpa_graph_us", "sdpa graph us", ".1f"),
+                       ("graph_speedup", "graph speedup", ".2f"), ("triton_gb_per_s", "triton GB/s", ".0f"),
+                       ("of_copy", "of copy", ".2f"), ("max_abs_diff", "max diff", ".1e")])
 
     models = Models(sizes, device, args.residual_scale)
-    ar = report.run("autoregressive", lambda: bench_autoregressive(models, copy_gb_per_s))
-    print_section(f"autoregressive, {'tiny' if args.dry_run else 'Llama-2-7B'}-shaped random bf16 weights, batch 1, "
-                  f"greedy, {sizes.prompt_tokens}-token prompt + {sizes.new_tokens} tokens (wall time of the whole "
-                  "call, prefill included)", ar,
-                  [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".1f"), ("ms_per_token", "ms/token", ".2f"),
-                   ("of_floor", "of floor", ".2f")])
-    if isinstance(ar, dict) and "same_tokens_as_eager_triton" in ar:
-        print(f"same tokens as eager triton: {ar['same_tokens_as_eager_triton']}")
+    shape = "tiny" if args.dry_run else "Llama-2-7B"
+    if "forward_profile" in wanted:
+        profile_rows = report.run("forward_profile", lambda: bench_forward_profile(models, copy_gb_per_s))
+        print_section(f"one {shape}-shaped target forward, batch 1: CUDA-graph replay vs eager launch, and the eager "
+                      "run's GPU kernel time by category (torch.profiler)", profile_rows,
+                      [("n", "n", "d"), ("context", "context", "d"), ("graph_ms", "graph ms", ".2f"),
+                       ("eager_ms", "eager ms", ".2f"), ("kernel_ms", "kernels ms", ".2f"),
+                       ("matmul_ms", "matmul", ".2f"), ("attention_ms", "attention", ".2f"), ("other_ms", "other", ".2f"),
+                       ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
 
-    graphs_work = isinstance(ar, dict) and "rows" in ar
-    split = report.run("step_split", lambda: bench_step_split(models, graphs=graphs_work))
-    print_section(f"time split per step (ms). Drafter: the target's first {sizes.drafter_layers} layers with its "
-                  f"embeddings, norm and head; the target's other layers scaled by {args.residual_scale} "
-                  "(synthetic agreement). Split columns come from a second run with a device sync around each "
-                  "timed call (timed ms/step); ms/step is the run without them", split,
-                  [("strategy", "strategy", "s"), ("variant", "variant", "s"), ("tokens_per_s", "tokens/s", ".1f"),
-                   ("ms_per_step", "ms/step", ".2f"), ("mean_accepted", "MAT", ".2f"),
-                   ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
-                   ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
-                   ("sample_ms", "sample", ".2f"), ("other_ms", "other", ".2f")])
+    ar = None
+    if "autoregressive" in wanted:
+        ar = report.run("autoregressive", lambda: bench_autoregressive(models, copy_gb_per_s))
+        print_section(f"autoregressive, {shape}-shaped random bf16 weights, batch 1, greedy, {sizes.prompt_tokens}-token "
+                      f"prompt + {sizes.new_tokens} tokens (wall time of the whole call, prefill included)", ar,
+                      [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".1f"), ("ms_per_token", "ms/token", ".2f"),
+                       ("of_floor", "of floor", ".2f")])
+        if isinstance(ar, dict) and "same_tokens_as_eager_triton" in ar:
+            print(f"same tokens as eager triton: {ar['same_tokens_as_eager_triton']}")
 
+    if "step_split" in wanted:
+        graphs_work = ar is None or (isinstance(ar, dict) and "rows" in ar)
+        split = report.run("step_split", lambda: bench_step_split(models, graphs=graphs_work))
+        print_section(f"time split per step (ms). Drafter: the target's first {sizes.drafter_layers} layers with its "
+                      f"embeddings, norm and head; the target's other layers scaled by {args.residual_scale} "
+                      "(synthetic agreement). Split columns come from a second run with a device sync around each "
+                      "timed call (timed ms/step); ms/step is the run without them", split,
+                      [("strategy", "strategy", "s"), ("variant", "variant", "s"), ("tokens_per_s", "tokens/s", ".1f"),
+                       ("ms_per_step", "ms/step", ".2f"), ("mean_accepted", "MAT", ".2f"),
+                       ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
+                       ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
+                       ("sample_ms", "sample", ".2f"), ("other_ms", "other", ".2f")])
+
+    if "pearl" in wanted:
+        pearl = report.run("pearl", lambda: bench_pearl(models))
+        print_section("PEARL on one GPU (drafter on a side stream, same synthetic drafter) vs Speculative; per round: "
+                      "the target forward and the drafter's steps timed alone, their sum (sequential), and the "
+                      "share of the shorter side hidden by running them concurrently (overlap)", pearl,
+                      [("variant", "variant", "s"), ("strategy", "strategy", "s"), ("tokens_per_s", "tokens/s", ".1f"),
+                       ("mean_accepted", "MAT", ".2f"), ("ms_per_round", "ms/round", ".2f"),
+                       ("target_alone_ms", "target", ".2f"), ("drafter_steps_ms", "drafter steps", ".2f"),
+                       ("sequential_ms", "sequential", ".2f"), ("overlap", "overlap", ".2f"),
+                       ("wait_target_ms", "target waits", ".2f"), ("wait_drafter_ms", "drafter waits", ".2f")])
+
+    if "transformers_compiled" not in wanted:
+        return
     left = args.budget_s - (time.perf_counter() - start)
     if device.type != "cuda" or left < COMPILE_BUDGET_S:
         print(f"\ntransformers static cache + torch.compile: skipped ({'no CUDA' if device.type != 'cuda' else f'{left:.0f} s left'})")

@@ -41,7 +41,7 @@ def _dot_operand(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, tree_ptr, max_ptr, den_ptr, acc_ptr,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, tree_ptr, max_ptr, den_ptr, acc_ptr,
                   stride_qb, stride_qn, stride_qh, stride_qd,
                   stride_kb, stride_kh, stride_ks, stride_kd,
                   stride_vb, stride_vh, stride_vs, stride_vd,
@@ -113,7 +113,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, tree_ptr, max_ptr, den_ptr, acc
 
 
 @triton.jit
-def _merge_kernel(lens_ptr, max_ptr, den_ptr, acc_ptr, out_ptr,
+def _attention_merge_kernel(lens_ptr, max_ptr, den_ptr, acc_ptr, out_ptr,
                   stride_ob, stride_on, stride_oh, stride_od,
                   n, kv_heads, capacity, chunk, num_splits,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
@@ -239,7 +239,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         tree, tree_strides = tree_mask.view(torch.uint8), tree_mask.stride()
 
-    _split_kernel[(batch * kv_heads, num_splits, row_blocks)](
+    _attention_split_kernel[(batch * kv_heads, num_splits, row_blocks)](
         q, k_cache, v_cache, cache_lens, tree, part_max, part_den, part_acc,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *tree_strides,
         n, kv_heads, capacity, chunk, scale * math.log2(math.e),
@@ -248,7 +248,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         UPCAST_DOTS=q.device.type != "cuda",
         # fp32 tiles take twice the shared memory; one stage keeps them under pre-Hopper limits.
         num_stages=1 if q.dtype == torch.float32 else 3)
-    _merge_kernel[(batch * kv_heads, row_blocks)](
+    _attention_merge_kernel[(batch * kv_heads, row_blocks)](
         cache_lens, part_max, part_den, part_acc, out, *out.stride(),
         n, kv_heads, capacity, chunk, num_splits,
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_ROWS=block_rows)

@@ -11,6 +11,8 @@ import torch
 
 from csd_engine.kernels.attention import cache_attention, cache_attention_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs CPU tensors only
+
 FP32_TOLERANCE = 1e-5  # relative to the largest output magnitude
 # Kernel error <= these multiples of PyTorch's own error in the same dtype. The kernel rounds
 # the softmax weights to bf16/fp16 for its second matmul (as flash attention does): measured
@@ -60,7 +62,7 @@ def poison_unread(q, k, v, lens):
     return q, k, v
 
 
-def run_kernel(q, k, v, lens, mask, dtype, device="cpu", num_splits=None):
+def run_kernel(q, k, v, lens, mask, dtype, device=DEVICE, num_splits=None):
     q, k, v = (t.to(device, dtype) for t in poison_unread(q, k, v, lens))
     lens = lens.to(device)
     mask = None if mask is None else mask.to(device)

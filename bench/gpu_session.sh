@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a lent GPU should check, in one device call (under 10 minutes on one H100):
+#   1. build the extension with its CUDA kernels for the local GPU;
+#   2. the GPU-marked tests plus the kernel and graph tests, compiled for real (no interpreter);
+#   3. bench/gpu.py (measurements; table printed last).
+# Logs and JSON go to $OUT (the device tool's folder) or bench/results.
+#   bash bench/gpu_session.sh [tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+what=${1:-all}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+start=$(date +%s)
+# Built in place, not with pip: the device has no package index, and pip's editable install
+# wants one for its build environment. csd_engine.kernels is kernels/ (setup.py's package_dir).
+[ -e csd_engine/kernels ] || ln -s ../kernels csd_engine/kernels
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The system g++, not the image's default /opt/gcc one: an extension built with /opt/gcc's g++
+# segfaulted (H100 image, 2026-11-22) whenever the op raised (a bad tree), while the same
+# source built with /usr/bin/g++, the C++ runtime torch's wheel was built against, raised the
+# ValueError as on the CPU machine.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+if ! TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" MAX_JOBS=16 \
+     timeout 300 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
+  echo "[gpu_session] CUDA extension build FAILED (tail of build.log follows); continuing without it"
+  tail -30 "$OUT/build.log"
+fi
+echo "[gpu_session] build: $(( $(date +%s) - start )) s"
+python3 -c "import csd_engine.ops as o; print('[gpu_session] extension loaded:', o.HAS_EXTENSION, sorted(o._TREE_MASK_DEVICES))"
+if [ "$what" != bench ]; then
+  # tests/kernels run on CUDA tensors when a GPU is there; elsewhere only the gpu-marked tests
+  # (the others build CPU models, which CI covers).
+  { timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels; } \
+    2>&1 | tee "$OUT/pytest-gpu.log" | grep -v "^\." | tail -60
+  echo "[gpu_session] tests done at $(( $(date +%s) - start )) s"
+fi
+if [ "$what" != tests ]; then
+  timeout ${BENCH_TIMEOUT:-330} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-300} 2>&1 | tee "$OUT/gpu.log" | grep -v '^\[' 
+fi
+echo "[gpu_session] total $(( $(date +%s) - start )) s"
