@@ -207,8 +207,9 @@ def random_llama(shape: dict, layers: int, device: torch.device) -> LlamaForCaus
 class Models:
     """The target, its drafter and their native runners, built once, on first use."""
 
-    def __init__(self, sizes: Sizes, device: torch.device, residual_scale: float):
+    def __init__(self, sizes: Sizes, device: torch.device, residual_scale: float, fused: bool = True):
         self.sizes, self.device, self.residual_scale = sizes, device, residual_scale
+        self.fused = fused and device.type == "cuda"
 
     @cached_property
     def target(self) -> LlamaForCausalLM:
@@ -222,13 +223,13 @@ class Models:
 
     @cached_property
     def target_runner(self) -> LlamaRunner:
-        return LlamaRunner(self.target, self.device, DTYPE)
+        return LlamaRunner(self.target, self.device, DTYPE, fused=self.fused)
 
     @cached_property
     def drafter_runner(self) -> LlamaRunner:
         drafter = random_llama(self.sizes.model, self.sizes.drafter_layers, self.device)
         drafter.load_state_dict(self.target.state_dict(), strict=False)  # the target's first layers, head, norms
-        return LlamaRunner(drafter, self.device, DTYPE)
+        return LlamaRunner(drafter, self.device, DTYPE, fused=self.fused)
 
     @property
     def weight_bytes(self) -> int:
@@ -366,6 +367,8 @@ def kernel_category(name: str) -> str:
     lowered = name.lower()
     if "attention" in lowered or "attn" in lowered or "flash" in lowered or "fmha" in lowered:
         return "attention"
+    if "rmsnorm" in lowered or "rope" in lowered:
+        return "norm_rope"
     if any(word in lowered for word in ("gemm", "gemv", "nvjet", "cutlass", "cublas", "sm90_xmma", "matmul")):
         return "matmul"
     return "other"
@@ -373,47 +376,50 @@ def kernel_category(name: str) -> str:
 
 def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
     """One target forward of n new tokens (n = 1: decoding, n = 5: a chain of 4 drafts) at a
-    512-token context: its GPU kernel time by category (torch.profiler, eager, Triton attention),
-    its time replayed from a CUDA graph, and the weight-bandwidth floor."""
+    512-token context, with the runner's PyTorch norms / RoPE and with the fused kernels: its
+    time replayed from a CUDA graph, launched eagerly, its GPU kernel time by category
+    (torch.profiler, eager, Triton attention), and the weight-bandwidth floor."""
     from torch.profiler import ProfilerActivity, profile
     sizes, device, runner = models.sizes, models.device, models.target_runner
     context = min(512, sizes.max_seq_len // 2)
-    graphed = GraphedRunner(runner)
-    graphed.allocate(1, sizes.max_seq_len + 256)
     floor_ms = models.weight_bytes / copy_gb_per_s / 1e6
+    on_gpu = device.type == "cuda"
     rows = []
-    for n in (1, 5):
-        ids = torch.randint(0, sizes.model["vocab_size"], (1, n), device=device)
+    for fused in (False, True) if on_gpu else (False,):
+        runner.fused = fused
+        graphed = GraphedRunner(runner)
+        graphed.allocate(1, sizes.max_seq_len + 256)
+        for n in (1, 5):
+            ids = torch.randint(0, sizes.model["vocab_size"], (1, n), device=device)
 
-        def forward(r=graphed):
-            r.cache.lengths.fill_(context)
-            return r(ForwardBatch.chain(ids, r.cache.lengths, context + n))
+            def forward(r=graphed, ids=ids, n=n):
+                r.cache.lengths.fill_(context)
+                return r(ForwardBatch.chain(ids, r.cache.lengths, context + n))
 
-        forward()  # capture
-        replay_ms = time_ms(forward, device)
-        runner.attention_backend = "triton"
-        eager = lambda: forward(runner)  # noqa: E731
-        eager_ms = time_ms(eager, device)
-        on_gpu = device.type == "cuda"
-        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-            for _ in range(5):
-                eager()
-            sync(device)
-        by_category, kernels = defaultdict(float), 0
-        for event in prof.key_averages():
-            if not on_gpu:  # dry run: the CPU ops stand in for kernels
-                by_category[kernel_category(event.key)] += event.self_cpu_time_total / 5 / 1e3
-                kernels += event.count
-            elif event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
-                by_category[kernel_category(event.key)] += event.self_device_time_total / 5 / 1e3
-                kernels += event.count
-        busy = sum(by_category.values())
-        rows.append(dict(n=n, context=context, graph_ms=replay_ms, eager_ms=eager_ms, kernel_ms=busy,
-                         matmul_ms=by_category["matmul"], attention_ms=by_category["attention"],
-                         other_ms=by_category["other"], kernels=kernels // 5, floor_ms=floor_ms,
-                         of_floor=floor_ms / replay_ms))
-        progress(f"forward n={n}: graph {replay_ms:.2f} ms, kernels {busy:.2f} ms "
-                 f"(matmul {by_category['matmul']:.2f}, attention {by_category['attention']:.2f})")
+            forward()  # capture
+            replay_ms = time_ms(forward, device)
+            eager = lambda: forward(runner)  # noqa: E731
+            eager_ms = time_ms(eager, device)
+            with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    eager()
+                sync(device)
+            by_category, kernels = defaultdict(float), 0
+            for event in prof.key_averages():
+                if not on_gpu:  # dry run: the CPU ops stand in for kernels
+                    by_category[kernel_category(event.key)] += event.self_cpu_time_total / 5 / 1e3
+                    kernels += event.count
+                elif event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+                    by_category[kernel_category(event.key)] += event.self_device_time_total / 5 / 1e3
+                    kernels += event.count
+            busy = sum(by_category.values())
+            rows.append(dict(path="fused" if fused else "pytorch", n=n, context=context, graph_ms=replay_ms,
+                             eager_ms=eager_ms, kernel_ms=busy, matmul_ms=by_category["matmul"],
+                             attention_ms=by_category["attention"], norm_rope_ms=by_category["norm_rope"],
+                             other_ms=by_category["other"], kernels=kernels // 5, floor_ms=floor_ms,
+                             of_floor=floor_ms / replay_ms))
+            progress(f"forward {rows[-1]['path']} n={n}: graph {replay_ms:.2f} ms, kernels {busy:.2f} ms")
+    runner.fused = models.fused
     return rows
 
 
@@ -509,6 +515,8 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="native runners without the fused RMSNorm / RoPE kernels (the PyTorch path)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
@@ -521,7 +529,8 @@ def main():
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
     sizes = DRY_RUN if args.dry_run else Sizes()
-    header = {"versions": versions(device), "args": vars(args), "sizes": asdict(sizes)}
+    header = {"versions": versions(device), "args": vars(args), "sizes": asdict(sizes),
+              "fused_kernels": not args.unfused and device.type == "cuda"}
     print(" ".join(f"{k}={v}" for k, v in header["versions"].items()))
     report = Report("gpu-dry-run" if args.dry_run else "gpu", args.out, header)
     torch.manual_seed(0)
@@ -547,15 +556,17 @@ def main():
                        ("graph_speedup", "graph speedup", ".2f"), ("triton_gb_per_s", "triton GB/s", ".0f"),
                        ("of_copy", "of copy", ".2f"), ("max_abs_diff", "max diff", ".1e")])
 
-    models = Models(sizes, device, args.residual_scale)
+    models = Models(sizes, device, args.residual_scale, fused=not args.unfused)
     shape = "tiny" if args.dry_run else "Llama-2-7B"
     if "forward_profile" in wanted:
         profile_rows = report.run("forward_profile", lambda: bench_forward_profile(models, copy_gb_per_s))
         print_section(f"one {shape}-shaped target forward, batch 1: CUDA-graph replay vs eager launch, and the eager "
                       "run's GPU kernel time by category (torch.profiler)", profile_rows,
-                      [("n", "n", "d"), ("context", "context", "d"), ("graph_ms", "graph ms", ".2f"),
+                      [("path", "norms/rope", "s"), ("n", "n", "d"), ("context", "context", "d"),
+                       ("graph_ms", "graph ms", ".2f"),
                        ("eager_ms", "eager ms", ".2f"), ("kernel_ms", "kernels ms", ".2f"),
-                       ("matmul_ms", "matmul", ".2f"), ("attention_ms", "attention", ".2f"), ("other_ms", "other", ".2f"),
+                       ("matmul_ms", "matmul", ".2f"), ("attention_ms", "attention", ".2f"),
+                       ("norm_rope_ms", "norm+rope kernels", ".2f"), ("other_ms", "other", ".2f"),
                        ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
 
     ar = None
