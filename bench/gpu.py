@@ -515,8 +515,8 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
-    ap.add_argument("--unfused", action="store_true",
-                    help="native runners without the fused RMSNorm / RoPE kernels (the PyTorch path)")
+    ap.add_argument("--fused", action="store_true",
+                    help="native runners with the fused RMSNorm / RoPE kernels (forward_profile always runs both)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
@@ -530,7 +530,7 @@ def main():
         raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
     sizes = DRY_RUN if args.dry_run else Sizes()
     header = {"versions": versions(device), "args": vars(args), "sizes": asdict(sizes),
-              "fused_kernels": not args.unfused and device.type == "cuda"}
+              "fused_kernels": args.fused and device.type == "cuda"}
     print(" ".join(f"{k}={v}" for k, v in header["versions"].items()))
     report = Report("gpu-dry-run" if args.dry_run else "gpu", args.out, header)
     torch.manual_seed(0)
@@ -556,7 +556,7 @@ def main():
                        ("graph_speedup", "graph speedup", ".2f"), ("triton_gb_per_s", "triton GB/s", ".0f"),
                        ("of_copy", "of copy", ".2f"), ("max_abs_diff", "max diff", ".1e")])
 
-    models = Models(sizes, device, args.residual_scale, fused=not args.unfused)
+    models = Models(sizes, device, args.residual_scale, fused=args.fused)
     shape = "tiny" if args.dry_run else "Llama-2-7B"
     if "forward_profile" in wanted:
         profile_rows = report.run("forward_profile", lambda: bench_forward_profile(models, copy_gb_per_s))

@@ -54,17 +54,21 @@ class GenerationResult:
 class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
-                 tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False):
+                 tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False,
+                 fused_kernels: bool = False):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        if not isinstance(fused_kernels, bool):
+            raise TypeError(f"fused_kernels must be True or False, got {fused_kernels!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
-        self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend)
+        self.fused_kernels = fused_kernels
+        self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend, fused_kernels)
         self.target = maybe_graphed(self.target, cuda_graphs)  # CUDA graphs: native runner on a GPU only
         self.tokenizer = tokenizer or own_tokenizer
         self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
@@ -76,7 +80,7 @@ class Engine:
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):
             return spec if isinstance(spec, MaG) else MaG()
-        runner, _ = load_runner(spec, self.device, self.dtype, native, attention_backend)
+        runner, _ = load_runner(spec, self.device, self.dtype, native, attention_backend, self.fused_kernels)
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")

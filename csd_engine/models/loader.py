@@ -44,9 +44,10 @@ def _load_hf(spec: str, dtype: torch.dtype):
 
 
 def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
-                attention_backend: str = "sdpa") -> tuple[Runner, object]:
+                attention_backend: str = "sdpa", fused: bool = False) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
-    supports the architecture; True demands it; False forces the generic runner."""
+    supports the architecture; True demands it; False forces the generic runner. `fused`:
+    the native runner's fused Triton norm / RoPE kernels (ignored by the generic runner)."""
     if isinstance(spec, Runner):
         return spec, getattr(spec, "tokenizer", None)
     tokenizer = None
@@ -60,7 +61,7 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     if native is True and model_type not in NATIVE_MODEL_TYPES:
         raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}")
     if native is not False and model_type in NATIVE_MODEL_TYPES:
-        runner = LlamaRunner(model, device, dtype, attention_backend)
+        runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused)
     else:
         runner = HFRunner(model.to(device=device, dtype=dtype), device)
     return runner, tokenizer
