@@ -6,7 +6,25 @@
 Each `generate` call: validate, prefill every model's static cache, then repeat the
 strategy's `step` until every row is done. A step returns the tokens it emitted per row on
 the device; the host reads them once per step (to stream tokens, apply stop tokens and
-`max_new_tokens`), which is the only host synchronisation of the loop.
+`max_new_tokens`).
+
+Host synchronisation on CUDA, where and why (everything else stays on the device: accept
+counts, cache lengths, next positions, per-row metrics):
+* the engine's read of the emitted tokens, once per step; `active` goes back to the device
+  only in a step where a row finished;
+* Autoregressive, Speculative with a model drafter, Staged without MaG, greedy or sampling
+  (with top-k / top-p the drafter's distribution needs its cut-off search, which reads the
+  device once per drafter call): nothing else. Host-known bounds (k, tree depth,
+  `state.max_committed`) size every tensor;
+* MaG (Speculative, Staged's second stage, Cascade) proposes on the host from the tokens
+  the engine already read, except that inside a step Staged and Cascade read the draft they
+  are extending (one small read per MaG call);
+* Pearl reads whether any row is in post-verify at the start of a step, when the device is
+  idle anyway (the engine's read just drained it);
+* Cascade's intermediate levels are data-dependent: each review reads which rows still need
+  tokens and how wide the next forward is (a few reads per review). On an H100 this host
+  work is most of the 9.2 ms "other" per cascade step (README, GPU measurements).
+Kernel input checks read tensor values on the CPU only (verify, tree_verify).
 """
 import time
 from dataclasses import dataclass, field
@@ -161,7 +179,8 @@ class Engine:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             seed=torch.tensor([p._resolved_seed for p in params], dtype=torch.int64, device=dev),
             offset=torch.zeros(b, dtype=torch.int64, device=dev),
-            max_committed=max(lens) - 1, all_greedy=all(p.greedy for p in params))
+            max_committed=max(lens) - 1, all_greedy=all(p.greedy for p in params),
+            any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params))
         width = max(lens) - 1
         for runner in self.models():
             runner.use_rows(b) if hasattr(runner, "use_rows") else runner.allocate(b, self.capacity)
@@ -191,6 +210,7 @@ class Engine:
             host = torch.cat([out.counts[:, None], out.tokens], dim=1).tolist()  # the one read per step
             if hasattr(decoder, "observe"):  # host-side drafters (MaG) learn the emitted tokens
                 decoder.observe([h[1:1 + h[0]] for h in host])
+            finished_before = sum(f is not None for f in finish)
             for row in range(b):
                 if finish[row] is not None:
                     continue
@@ -204,7 +224,8 @@ class Engine:
                     if finish[row]:
                         break
             state.max_committed = max(committed)
-            state.active = torch.tensor([f is None for f in finish], device=self.device)
+            if sum(f is not None for f in finish) != finished_before:  # a host-to-device copy only when a row ends
+                state.active = torch.tensor([f is None for f in finish], device=self.device)
         wall = time.perf_counter() - start
         return [GenerationResult(outputs[r], self._decode_text(outputs[r]), finish[r],
                                  self._metrics(state.metrics, r, len(outputs[r]), forwards[r], wall))

@@ -366,11 +366,17 @@ def _cutoffs(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, sampling
     return threshold
 
 
-def _processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """[R, V] logits of rows with their own settings -> z, threshold, lse (greedy rows: raw logits, no filter)."""
+def _processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               filtered: bool = True):
+    """[R, V] logits of rows with their own settings -> z, threshold, lse (greedy rows: raw logits, no filter).
+    filtered=False: the caller knows no row uses top-k / top-p, so the cut-off search (which reads
+    the device to find the filtered rows) is skipped."""
     sampling = temperature > 0
     z = logits.float() / torch.where(sampling, temperature.float(), 1.0)[:, None]
-    threshold = _cutoffs(z, top_k, top_p.float(), sampling)
+    if filtered:
+        threshold = _cutoffs(z, top_k, top_p.float(), sampling)
+    else:
+        threshold = torch.full(z.shape[:1], float("-inf"), device=z.device)
     lse = torch.where(z >= threshold[:, None], z, float("-inf")).logsumexp(-1)
     return z, threshold, lse
 
@@ -448,16 +454,16 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
 
 
 def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """The reviewer's sampling distribution p: logits [B, ..., V], settings [B] (shared by a row's
-    positions) -> [B, ..., V] float32. Greedy rows (T == 0) give the one-hot argmax."""
+    positions) -> [B, ..., V] float32. Greedy rows (T == 0) give the one-hot argmax.
+    filtered=False (no row uses top-k / top-p, known on the host) makes it free of host syncs."""
     vocab = logits.shape[-1]
     per_row = logits[0].numel() // vocab
     settings = [s.repeat_interleave(per_row) for s in (temperature, top_k, top_p)]
-    z, threshold, lse = _processed(logits.reshape(-1, vocab), *settings)
-    probs = _probs(z, threshold, lse)
-    greedy = settings[0] == 0
-    probs[greedy] = torch.nn.functional.one_hot(z[greedy].argmax(-1), vocab).float()
+    z, threshold, lse = _processed(logits.reshape(-1, vocab), *settings, filtered=filtered)
+    greedy = (settings[0] == 0)[:, None]
+    probs = torch.where(greedy, torch.nn.functional.one_hot(z.argmax(-1), vocab).float(), _probs(z, threshold, lse))
     return probs.reshape(logits.shape)
 
 

@@ -26,6 +26,7 @@ class DecodeState:
     offset: torch.Tensor  # [B] int64: random-number counter of each request
     max_committed: int  # host-side max of committed over rows (exact after each step's read)
     all_greedy: bool  # every row at temperature 0: strategies may skip draft distributions
+    any_filtered: bool = True  # some row uses top-k / top-p (host-known: lets drafters skip the cut-off search)
     metrics: "StepMetrics" = field(default_factory=lambda: StepMetrics())
 
     @property
@@ -69,15 +70,18 @@ class StepMetrics:
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
 
-    def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor) -> None:
-        """Per-row accepted/drafted counts of one review at `level` (0 = the target)."""
+    def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor,
+               max_drafted: int = 0) -> None:
+        """Per-row accepted/drafted counts of one review at `level` (0 = the target).
+        max_drafted: a host-known bound on drafted (the target level needs it to size the
+        per-position counters without reading the device)."""
         a = accepted.to(torch.int64) * active
         d = drafted.to(torch.int64) * active
         self.level_accepted[level] = self.level_accepted.get(level, 0) + a
         self.level_drafted[level] = self.level_drafted.get(level, 0) + d
         if level != 0:
             return
-        width = max(int(drafted.max()) if drafted.numel() else 0, 1)
+        width = max(max_drafted, 1)
         pos = torch.arange(width, device=accepted.device)[None, :]
         acc_pos = (pos < a[:, None]).to(torch.int64)
         drf_pos = (pos < d[:, None]).to(torch.int64)

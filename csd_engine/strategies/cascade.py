@@ -146,7 +146,7 @@ class CascadeDecoder:
                 d.cache.rollback(base + n)
         state.offset += self.max_draft + 2
         state.metrics.target_forwards += 1
-        state.metrics.record(0, n, n_draft, state.active)
+        state.metrics.record(0, n, n_draft, state.active, width)
         col = torch.arange(width + 1, device=dev)[None, :]
         tokens = torch.where(col == n[:, None], res.next_token[:, None], torch.cat([drafts, drafts[:, :1]], 1))
         return StepOutput(tokens, n + 1)

@@ -146,7 +146,7 @@ class PearlDecoder:
         m = state.metrics
         m.target_forwards += 1
         m.count_drafter(self.drafter_index, g)
-        m.record(0, n, num_drafts, state.active)
+        m.record(0, n, num_drafts, state.active, drafts.shape[1])
         m.draft_lengths.scatter_add_(1, num_drafts[:, None], state.active.to(torch.int64)[:, None])
         return StepOutput(emitted_block(drafts, n, res.next_token), counts)
 

@@ -47,7 +47,8 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
         args["offset"] = state.offset + j
         tokens.append(verifier.chain(logits[:, None], none, zero, None, lenience=1.0, **args).next_token)
         if not state.all_greedy:
-            probs.append(verifier.reviewer_probs(logits, state.temperature, state.top_k, state.top_p))
+            probs.append(verifier.reviewer_probs(logits, state.temperature, state.top_k, state.top_p,
+                                                filtered=state.any_filtered))
     state.metrics.count_drafter(metrics_index, k)
     return torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
 
@@ -84,5 +85,5 @@ class SpeculativeDecoder:
             self.drafter.cache.rollback(state.committed + n + 1)
         state.offset += k + 1
         state.metrics.target_forwards += 1
-        state.metrics.record(0, n, num_drafts, state.active)
+        state.metrics.record(0, n, num_drafts, state.active, drafts.shape[1])
         return StepOutput(emitted_block(drafts, n, res.next_token), n + 1)

@@ -119,6 +119,6 @@ def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tre
 
     state.offset += tree.max_depth + 1
     state.metrics.target_forwards += 1
-    state.metrics.record(0, accepted, tree.depth.max(dim=1).values, state.active)  # drafted = tree depth
+    state.metrics.record(0, accepted, tree.depth.max(dim=1).values, state.active, tree.max_depth)  # drafted = tree depth
     path_tokens = tokens.gather(1, path.clamp(min=0))
     return StepOutput(emitted_block(path_tokens, accepted, result.next_token), accepted + 1)

@@ -270,3 +270,18 @@ def test_uniforms_stay_strictly_inside_zero_one():
     top = (torch.tensor((1 << 23) - 1, dtype=torch.float32) + 0.5) * (1.0 / 8388608.0)
     assert top.item() < 1.0
     assert torch.isfinite(gumbel_ref(torch.arange(4)[:, None], 0, torch.arange(200_000))).all()
+
+
+def test_reviewer_probs_without_filters_skips_only_the_cutoff_search():
+    """filtered=False (the engine's host-known 'no row uses top-k / top-p') gives the same p as the
+    full path for such rows, greedy rows included; with a filtered row the full path differs."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    logits = 3 * torch.randn(4, 3, 50, generator=gen)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3])
+    no_top_k, no_top_p = torch.zeros(4, dtype=torch.int32), torch.ones(4)
+    full = reviewer_probs(logits, temperature, no_top_k, no_top_p)
+    fast = reviewer_probs(logits, temperature, no_top_k, no_top_p, filtered=False)
+    torch.testing.assert_close(fast, full, rtol=0, atol=0)
+    assert (full[0].argmax(-1) == logits[0].argmax(-1)).all() and (full[0].max(-1).values == 1).all()
+    filtered = reviewer_probs(logits, temperature, torch.tensor([0, 5, 0, 0], dtype=torch.int32), no_top_p)
+    assert ((filtered[1] > 0).sum(-1) == 5).all() and not torch.equal(filtered, full)
