@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import csd_engine
-from bench.common import load_prompts, print_table, progress, resolve_model, write_json
+from bench.common import Stopwatch, instrumented, load_prompts, print_table, progress, resolve_model, write_json
 from csd_engine import Autoregressive, Cascade, Pearl, SamplingParams, Speculative, Staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one instrumented run per csd_engine method on the first prompt: "
+                         "time per target step in the target, drafters, verification, MaG and the rest")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import json
@@ -136,8 +139,37 @@ def main():
     print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"),
                        ("speedup", "vs transformers", ".2f"), ("mean_accepted", "mean accepted", ".2f"),
                        ("identical", "= greedy", "s")])
-    write_json(f"compare-{args.target}-{args.dtype}", {"args": vars(args), "rows": rows, "per_prompt": per_prompt},
-               args.out)
+    profile = profile_methods([m for m in methods if m in strategies], strategies, names, encoded[0],
+                              args.max_new_tokens) if args.profile else []
+    write_json(f"compare-{args.target}-{args.dtype}", {"args": vars(args), "rows": rows, "per_prompt": per_prompt,
+                                                         "profile": profile}, args.out)
+
+
+def profile_methods(methods, strategies, names, ids, max_new_tokens) -> list[dict]:
+    """Milliseconds per target step spent in each part (bench.common.instrumented), first prompt."""
+    rows = []
+    for name in methods:
+        engine, strategy = strategies[name]
+        stopwatch = Stopwatch(engine.device)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        with instrumented(engine, stopwatch):
+            start = time.perf_counter()
+            result = engine.generate([ids], params, strategy=strategy)[0]
+            seconds = time.perf_counter() - start
+        steps = result.metrics.target_forwards
+        parts = {part: s / steps * 1e3 for part, s in stopwatch.seconds.items()}
+        row = dict(method=names[name], ms_per_step=seconds / steps * 1e3, mean_accepted=result.metrics.mean_accepted_tokens,
+                   **{f"{part}_ms": parts.get(part, 0.0)
+                      for part in ("prefill", "target", "drafters", "verify", "sample", "mag")})
+        row["other_ms"] = row["ms_per_step"] - sum(parts.values())
+        rows.append(row)
+        progress(f"profile {names[name]}: {row['ms_per_step']:.0f} ms per target step")
+    print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps)")
+    print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ".0f"), ("mean_accepted", "MAT", ".2f"),
+                       ("prefill_ms", "prefill", ".0f"), ("target_ms", "target", ".0f"), ("drafters_ms", "drafters", ".0f"),
+                       ("verify_ms", "verify", ".1f"), ("sample_ms", "sample", ".1f"), ("mag_ms", "MaG", ".1f"),
+                       ("other_ms", "other", ".0f")])
+    return rows
 
 
 def order_by_category(prompts):

@@ -33,7 +33,6 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -48,7 +47,7 @@ import triton.testing  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import csd_engine  # noqa: E402
-from bench.common import print_table, progress, write_json  # noqa: E402
+from bench.common import Stopwatch, instrumented, print_table, progress, sync, wall_s, write_json  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.kernels.attention import cache_attention  # noqa: E402
 from csd_engine.kernels.verify import verify  # noqa: E402
@@ -87,11 +86,6 @@ DRY_RUN = Sizes(verify_batches=(1, 2), verify_ks=(2,), vocabs=(96,), contexts=(6
                 new_tokens=6, max_seq_len=64, copy_bytes=1 << 20)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def graph_ms(fn, device: torch.device) -> float:
     """Median milliseconds per call replayed from a CUDA graph: the kernels' own time, without
     the host's launch overhead (what the engine's graphed runner pays)."""
@@ -110,14 +104,6 @@ def time_ms(fn, device: torch.device) -> float:
     fn(), fn()
     return (time.perf_counter() - start) / 2 * 1e3
 
-
-def wall_s(fn, device: torch.device):
-    """(result, seconds) of one call, the device drained on both sides."""
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
 
 
 # -- 1. copy bandwidth ----------------------------------------------------------------------------
@@ -289,44 +275,6 @@ def hf_generate(models: Models, prompt: list[int], compiled: bool) -> list[int]:
 
 
 # -- 5. time split of a speculative step ----------------------------------------------------------
-class Stopwatch:
-    """Wall time of wrapped calls summed per part. The device is drained on both sides of each
-    timed call so its GPU work lands in its own part; those syncs slow the step a little, which
-    is why the uninstrumented step time is reported beside the split."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = defaultdict(float)
-
-    def wrap(self, fn, part_of):
-        """part_of(*args, **kwargs) names the part a call belongs to, or None: not timed."""
-        def timed(*args, **kwargs):
-            part = part_of(*args, **kwargs)
-            if part is None:
-                return fn(*args, **kwargs)
-            out, seconds = wall_s(lambda: fn(*args, **kwargs), self.device)
-            self.seconds[part] += seconds
-            return out
-        return timed
-
-
-@contextmanager
-def instrumented(engine, stopwatch: Stopwatch):
-    """Time the engine's model forwards (prefill excluded) and verifier calls: `verify` for
-    reviews of drafts, `sample` for drawing a drafter's own next token (k = 0)."""
-    runners = [(engine.target, "target")] + [(d, "drafters") for d in engine.drafters if not isinstance(d, MaG)]
-    for runner, part in runners:
-        runner.forward = stopwatch.wrap(runner.forward, lambda batch, part=part: part if batch.need_logits else None)
-    chain = engine.verifier.chain
-    engine.verifier.chain = stopwatch.wrap(chain, lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
-    try:
-        yield
-    finally:
-        for runner, _ in runners:
-            del runner.forward  # back to the class's method
-        engine.verifier.chain = chain
-
-
 def bench_step_split(models: Models, graphs: bool) -> list[dict]:
     sizes, device = models.sizes, models.device
     prompt = models.prompt()
@@ -357,6 +305,7 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
                              timed_ms_per_step=timed_seconds / steps * 1e3,
                              target_ms=split.get("target", 0.0), drafters_ms=split.get("drafters", 0.0),
                              verify_ms=split.get("verify", 0.0), sample_ms=split.get("sample", 0.0),
+                             mag_ms=split.get("mag", 0.0),
                              other_ms=timed_seconds / steps * 1e3 - sum(split.values())))
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
     return rows
@@ -590,7 +539,7 @@ def main():
                        ("ms_per_step", "ms/step", ".2f"), ("mean_accepted", "MAT", ".2f"),
                        ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
                        ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
-                       ("sample_ms", "sample", ".2f"), ("other_ms", "other", ".2f")])
+                       ("sample_ms", "sample", ".2f"), ("mag_ms", "MaG", ".2f"), ("other_ms", "other", ".2f")])
 
     if "pearl" in wanted:
         pearl = report.run("pearl", lambda: bench_pearl(models))

@@ -1,6 +1,10 @@
 """`csd-engine generate`: one generation from the command line.
 
     csd-engine generate --target smollm2-135m --prompt "Write a haiku about caches" --strategy speculative --drafter mag
+    csd-engine generate --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --drafter mag \
+        --strategy cascade --dtype bfloat16 --chat --prompt "Write a Python function that checks for primes."
+
+`--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating.
 """
 import argparse
 import json
@@ -46,6 +50,8 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template (instruct models)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     args = parser.parse_args(argv)
 
@@ -59,7 +65,14 @@ def main(argv=None) -> int:
         engine = csd_engine.Engine(target=args.target, drafters=args.drafter, device=args.device,
                                    dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt),
                                    max_seq_len=args.max_seq_len)
-        results = engine.generate(args.prompt, params, strategy=strategy)
+        prompts = args.prompt
+        if args.chat:
+            if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+                raise ValueError(f"--chat needs a tokenizer with a chat template; {args.target!r} has none")
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                            tokenize=True, return_dict=True)["input_ids"]
+                       for p in args.prompt]
+        results = engine.generate(prompts, params, strategy=strategy)
     except (ValueError, TypeError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2

@@ -376,6 +376,8 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     rows = torch.arange(batch, device=device)
     seed, offset, tokens, parents = seed.long(), offset.long(), tokens.long(), parents.long()
     greedy = temperature == 0
+    if bool(greedy.all()):  # no distribution is needed: only each node's argmax
+        return _greedy_tree_verify_ref(logits, tokens.long(), parents.long())
     probs = _processed_probs_ref(logits, temperature, top_k, top_p)
     best = logits.argmax(-1)  # [B, N] greedy choice after each node; ties -> first index
     gumbel_index = 1 + torch.arange(vocab, device=device)
@@ -421,3 +423,29 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         node = torch.where(moved, chosen, node)
         searching = moved
     return TreeVerifyResult(num_accepted, accepted_nodes, next_token)
+
+
+def _greedy_tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> TreeVerifyResult:
+    """tree_verify_ref for a batch whose rows are all greedy: from the root, move to the first
+    child (in node order) whose token is the target's argmax after the current node; stop where
+    none is, emitting that argmax. One vectorised step per depth, nothing vocabulary-sized."""
+    batch, nodes, _ = logits.shape
+    device = logits.device
+    rows = torch.arange(batch, device=device)
+    best = logits.argmax(-1)  # [B, N]; ties -> first index, as everywhere
+    child_index = torch.arange(nodes, device=device)[None, :]
+    node = torch.zeros(batch, dtype=torch.int64, device=device)
+    searching = torch.ones(batch, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
+    for depth in range(nodes):
+        matches = (parents == node[:, None]) & (child_index > 0) & (tokens == best[rows, node][:, None])
+        found = searching & matches.any(-1)
+        chosen = matches.int().argmax(-1)  # the first matching child
+        num_accepted = torch.where(searching & ~found, depth, num_accepted)
+        accepted_nodes[:, depth] = torch.where(found, chosen, -1)
+        node = torch.where(found, chosen, node)
+        searching = found
+        if not bool(searching.any()):
+            break
+    return TreeVerifyResult(num_accepted, accepted_nodes, best[rows, node])

