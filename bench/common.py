@@ -108,6 +108,7 @@ def instrumented(engine, stopwatch: Stopwatch):
         mag.propose = stopwatch.wrap(mag.propose, lambda *a, **kw: "mag")
     verifier = engine.verifier
     chain, tree = verifier.chain, verifier.tree
+    assert "chain" not in vars(verifier), "instrumented() does not nest"
     verifier.chain = stopwatch.wrap(chain, lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
     verifier.tree = stopwatch.wrap(tree, lambda *a, **kw: "verify")
     try:
@@ -117,5 +118,4 @@ def instrumented(engine, stopwatch: Stopwatch):
             del runner.forward  # back to the class's method
         for mag in mags:
             del mag.propose
-        verifier.chain = chain
-        del verifier.tree
+        del verifier.chain, verifier.tree  # back to the class's methods

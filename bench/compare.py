@@ -17,8 +17,8 @@ from bench.common import Stopwatch, instrumented, load_prompts, print_table, pro
 from csd_engine import Autoregressive, Cascade, Pearl, SamplingParams, Speculative, Staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ("hf", "hf-assisted", "hf-lookup", "ar", "spec-model", "spec-mag", "cascade", "cascade-mag", "cascade-auto",
-           "staged", "pearl")
+METHODS = ("hf", "hf-assisted", "hf-lookup", "ar", "spec-model", "spec-mag", "cascade", "cascade-tree", "cascade-mag",
+           "cascade-auto", "staged", "pearl")
 
 
 def main():
@@ -31,7 +31,9 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--k", type=int, default=4, help="draft length of Speculative with the 0.5B drafter")
     ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG")
-    ap.add_argument("--k-matrix", default="[[3,4],[0,4]]", help="Cascade 1.5B <- 0.5B <- MaG")
+    ap.add_argument("--k-matrix", default="[[2,4],[0,4]]",
+                    help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on this CPU)")
+    ap.add_argument("--tree", default="[3,2]", help="candidates per depth of cascade-tree's top-level tree")
     ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=None)
@@ -64,6 +66,8 @@ def main():
         "spec-model": (engine, Speculative(k=args.k, drafter=0)),
         "spec-mag": (engine, Speculative(k=args.k_mag, drafter=1)),
         "cascade": (engine, Cascade(k_matrix=json.loads(args.k_matrix), lenience=args.lenience, mag_tokens=4)),
+        "cascade-tree": (engine, Cascade(k_matrix=json.loads(args.k_matrix), lenience=args.lenience, mag_tokens=4,
+                                         tree=tuple(json.loads(args.tree)))),
         "cascade-mag": (engine_mag, Cascade(k_matrix=json.loads(args.k_mag_matrix), mag_tokens=8)),
         "cascade-auto": (engine, Cascade.auto()),
         "staged": (engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2)),
@@ -74,6 +78,7 @@ def main():
              "spec-model": f"csd_engine Speculative(0.5B, k={args.k})",
              "spec-mag": f"csd_engine Speculative(MaG, k={args.k_mag})",
              "cascade": f"csd_engine Cascade(0.5B+MaG, K={args.k_matrix}, l={args.lenience:g})",
+             "cascade-tree": f"csd_engine Cascade(same, tree={args.tree})",
              "cascade-mag": f"csd_engine Cascade(MaG, K={args.k_mag_matrix})",
              "cascade-auto": "csd_engine Cascade.auto()",
              "staged": "csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)", "pearl": f"csd_engine Pearl(0.5B, gamma={args.k})"}

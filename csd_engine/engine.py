@@ -73,7 +73,7 @@ class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = False, drafter_device=None):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
         if max_batch_size < 1 or max_seq_len < 2:
@@ -81,6 +81,9 @@ class Engine:
         if not isinstance(fused_kernels, bool):
             raise TypeError(f"fused_kernels must be True or False, got {fused_kernels!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Neural drafters may live on a device of their own (PEARL's two-device layout); the
+        # other strategies refuse such an engine (strategies.base.require_one_device).
+        self.drafter_device = self.device if drafter_device is None else torch.device(drafter_device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -91,6 +94,10 @@ class Engine:
         self.tokenizer = tokenizer or own_tokenizer
         self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
                          for d in drafters]
+        for i, d in enumerate(self.drafters):
+            if not isinstance(d, MaG) and d.device != self.drafter_device:
+                raise ValueError(f"drafter {i} is a runner on {d.device}, but the engine puts drafters on "
+                                 f"{self.drafter_device} (drafter_device): build it there or pass a model")
         self.capacity = max_seq_len + HEADROOM
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
@@ -98,7 +105,7 @@ class Engine:
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):
             return spec if isinstance(spec, MaG) else MaG()
-        runner, _ = load_runner(spec, self.device, self.dtype, native, attention_backend, self.fused_kernels)
+        runner, _ = load_runner(spec, self.drafter_device, self.dtype, native, attention_backend, self.fused_kernels)
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")
@@ -186,7 +193,8 @@ class Engine:
             runner.use_rows(b) if hasattr(runner, "use_rows") else runner.allocate(b, self.capacity)
             runner.cache.reset()
             if width > 0:  # prefill: every prompt but its last token, right-padded
-                runner(ForwardBatch.chain(tokens[:, :width], runner.cache.lengths, width, need_logits=False))
+                prefix = tokens[:, :width].to(runner.device)
+                runner(ForwardBatch.chain(prefix, runner.cache.lengths, width, need_logits=False))
             runner.cache.reset(committed)
         return state
 

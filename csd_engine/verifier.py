@@ -2,7 +2,9 @@
 
 Both give identical tokens for the same seeds. Default: Triton on a GPU and under the
 Triton interpreter (tests), PyTorch on a plain CPU. `CSD_VERIFY_BACKEND=triton|torch` or the
-engine's `verify_backend=` argument forces one.
+engine's `verify_backend=` argument forces one. With models on two devices (PEARL with
+`Engine(drafter_device=...)`), a call on CPU tensors outside the interpreter takes the
+PyTorch reference even when the backend is Triton: the compiled kernels run on GPUs only.
 """
 import os
 
@@ -26,11 +28,18 @@ class Verifier:
     def __init__(self, backend: str):
         from csd_engine.kernels import verify
         self.backend = backend
-        self.chain = verify.verify if backend == "triton" else verify.verify_ref
+        self._chain_kernel, self._chain_ref = verify.verify, verify.verify_ref
         self.emitted_distribution = verify.emitted_distribution
         self.reviewer_probs = verify.reviewer_probs
 
-    def tree(self, *args, **kwargs):
+    def _kernel_for(self, tensor: torch.Tensor) -> bool:
+        return self.backend == "triton" and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+    def chain(self, logits, *args, **kwargs):
+        fn = self._chain_kernel if self._kernel_for(logits) else self._chain_ref
+        return fn(logits, *args, **kwargs)
+
+    def tree(self, logits, *args, **kwargs):
         from csd_engine.kernels import tree_verify
-        fn = tree_verify.tree_verify if self.backend == "triton" else tree_verify.tree_verify_ref
-        return fn(*args, **kwargs)
+        fn = tree_verify.tree_verify if self._kernel_for(logits) else tree_verify.tree_verify_ref
+        return fn(logits, *args, **kwargs)

@@ -94,6 +94,14 @@ class StepMetrics:
         self.drafted_by_position[:, :width] += drf_pos
 
 
+def require_one_device(engine, strategy: str) -> None:
+    """Strategies other than Pearl run every model on the engine's device."""
+    if engine.drafter_device != engine.device:
+        raise ValueError(f"{strategy} runs the drafters on the target's device, but this engine puts them on "
+                         f"{engine.drafter_device} (target: {engine.device}); a separate drafter_device is for "
+                         "Pearl, whose two sides run concurrently")
+
+
 def catch_up_tokens(state: DecodeState, runner: Runner, max_behind: int, extra: torch.Tensor | None = None):
     """What `runner` has not cached yet, per row, right-padded: tokens[cache_len:committed],
     then `pending`, then the `extra` block ([B, e]) if given. `max_behind` is a host-known

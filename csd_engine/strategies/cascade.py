@@ -13,6 +13,14 @@ exactly known distribution e_j (kernels.verify.emitted_distribution, lenience in
 and that e_j — not the raw drafter distribution — is the proposal the level above verifies
 against. The target reviews with lenience 1, so the output follows the target exactly.
 
+Tree at the top level (`tree=(b_1, b_2, ...)`, CS Drafting with tree attention): the target
+verifies the cascade's draft as the trunk of a token tree in one forward, with b_d - 1 extra
+children beside the trunk token at depth d: the most likely other tokens of the last neural
+review that scored that position with an all-accepted prefix. Such a child is a function of
+the prefix alone, so it is a deterministic child of the tree rule (ALGORITHMS.md section 5),
+tried after the trunk token (whose proposal is its e): lossless at any temperature. After a
+branch wins, every drafter rolls back to where the accepted path left the trunk.
+
 Rows are batched: a row that already holds enough tokens at a level is masked out of the
 next review instead of leaving the batch. Intermediate levels read their accept counts on
 the host once per review (the loop bound is data-dependent and MaG runs on the host); the
@@ -24,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import DecodeState, StepOutput
+from csd_engine.ops import PADDING, ROOT
+from csd_engine.strategies.base import DecodeState, StepOutput, require_one_device
+from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
 
 
 def _validate_k_matrix(k_matrix, n_drafters: int, is_mag: list[bool]) -> tuple[tuple[int, ...], ...]:
@@ -58,11 +68,13 @@ def _validate_k_matrix(k_matrix, n_drafters: int, is_mag: list[bool]) -> tuple[t
 class Cascade:
     """k_matrix: n x n for the engine's n drafters (largest first, optionally ending in MaG).
     lenience >= 1 relaxes reviews by drafters (never the target's). mag_tokens: how many
-    tokens MaG proposes per call."""
+    tokens MaG proposes per call. tree: candidates per depth at the top level (trunk token
+    included), e.g. (3, 2); () verifies a plain chain."""
 
     k_matrix: tuple = ((4,),)
     lenience: float = 1.0
     mag_tokens: int = 10
+    tree: tuple = ()
     stream_base: int = field(default=16, repr=False)
 
     def __post_init__(self):
@@ -74,6 +86,11 @@ class Cascade:
         if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
         object.__setattr__(self, "k_matrix", tuple(tuple(r) for r in rows))
+        if not isinstance(self.tree, (tuple, list)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree):
+            raise ValueError(f"Cascade.tree must be a tuple of ints >= 1 (candidates per depth, trunk token "
+                             f"included, e.g. (3, 2)), got {self.tree!r}")
+        object.__setattr__(self, "tree", tuple(self.tree))
 
     @staticmethod
     def auto(**kwargs) -> "AutoCascade":
@@ -83,9 +100,21 @@ class Cascade:
     def decoder(self, engine):
         if not engine.drafters:
             raise ValueError("Cascade needs at least one drafter (e.g. drafters=['mag'])")
+        require_one_device(engine, "Cascade")
         is_mag = [isinstance(d, MaG) for d in engine.drafters]
         k = _validate_k_matrix(self.k_matrix, len(engine.drafters), is_mag)
-        return CascadeDecoder(engine, k, float(self.lenience), self.mag_tokens)
+        if self.tree and all(is_mag):
+            raise ValueError("Cascade.tree needs a neural drafter: the extra children are a neural review's "
+                             "most likely tokens (MaG proposes one token per position)")
+        if self.tree and max(self.tree) > engine.target.vocab_size:
+            raise ValueError(f"Cascade.tree={self.tree} asks for more candidates than the vocabulary has tokens")
+        return CascadeDecoder(engine, k, float(self.lenience), self.mag_tokens, self.tree)
+
+
+def build_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] ancestor mask (self included) of one parent array, built with the extension op."""
+    from csd_engine.ops import build_tree_mask
+    return build_tree_mask(parents[None])[0][0]
 
 
 def _max_growth(k, is_mag, mag_tokens) -> int:
@@ -99,7 +128,7 @@ def _max_growth(k, is_mag, mag_tokens) -> int:
 
 
 class CascadeDecoder:
-    def __init__(self, engine, k, lenience, mag_tokens):
+    def __init__(self, engine, k, lenience, mag_tokens, tree: tuple = ()):
         self.engine = engine
         self.target = engine.target
         self.drafters = engine.drafters
@@ -109,7 +138,11 @@ class CascadeDecoder:
         self.lenience = lenience
         self.mag_tokens = mag_tokens
         self.max_draft = _max_growth(k, self.is_mag, mag_tokens)
-        self.max_tokens_per_forward = self.max_draft + 2
+        self.tree = tree[:self.max_draft]
+        self.extra = sum(b - 1 for b in self.tree)  # nodes beside the trunk
+        self.max_tokens_per_forward = self.max_draft + 2 + self.extra
+        self.alt = None
+        self.layouts = {}  # trunk width -> tree layout and mask (host-known, built once each)
 
     def start(self, state: DecodeState, prompt_ids) -> None:
         for d in self.drafters:
@@ -127,6 +160,8 @@ class CascadeDecoder:
         base = state.committed + 1  # working sequence = tokens[:committed] + pending + draft
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         self.q = None if state.all_greedy else torch.zeros(b, self.max_draft, self.target.vocab_size, device=dev)
+        if self.tree:  # per row and depth: the candidates of the last valid neural review, -1 unknown
+            self.alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev)
         self.reviews = 0
         self.current_reviewer = None
         length = self._draft(state, list(range(len(self.drafters))), self.k, base.clone(), base, state.active)
@@ -134,6 +169,8 @@ class CascadeDecoder:
         width = int(n_draft.max())
         drafts = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(width, device=dev)).clamp(
             max=state.tokens.shape[1] - 1))
+        if self.tree:
+            return self._verify_tree(state, base, drafts, n_draft)
         ids = torch.cat([state.pending[:, None], drafts], 1)
         logits = self._forward(self.target, state, ids, state.committed, width + 1)
         q = None if self.q is None else self.q[:, :width]
@@ -231,7 +268,73 @@ class CascadeDecoder:
         for other in self.drafters:  # everything past the first rejection is gone, in every cache
             if not isinstance(other, MaG):
                 other.cache.rollback(torch.where(need, mark + n, other.cache.lengths))
+        if self.alt is not None:
+            self._record_candidates(logits, mark - base, n, need)
         return torch.where(need, mark + n + 1, mark)
+
+    # -- the top-level tree --------------------------------------------------------------------
+    def _record_candidates(self, logits, start, n, need):
+        """Keep, per depth, the top tokens of this review's logits at the positions whose prefix
+        it accepted (draft offsets start .. start + n, correction included); forget every depth
+        past them, whose tokens the review just discarded."""
+        depths, top = self.alt.shape[1], self.alt.shape[2]
+        col = torch.arange(depths, device=start.device)[None, :]
+        stale = need[:, None] & (col > (start + n)[:, None])
+        self.alt.masked_fill_(stale[:, :, None], -1)
+        j = col - start[:, None]  # this review's logit row for each depth
+        fresh = need[:, None] & (j >= 0) & (j <= n[:, None]) & (j < logits.shape[1])
+        candidates = logits.topk(top, dim=-1).indices.gather(1, j.clamp(0, logits.shape[1] - 1)[:, :, None]
+                                                               .expand(-1, -1, top))
+        self.alt = torch.where(fresh[:, :, None], candidates, self.alt)
+
+    def _tree_layout(self, width: int, device):
+        """Node order: the root, then depth by depth the trunk token and its extra siblings, so
+        a row with a shorter trunk pads only at the end. Returns (parents [N], depth [N],
+        trunk node of each depth [width], for each sibling node its (depth index, rank))."""
+        parents, depth, trunk, siblings = [ROOT], [0], [], []
+        for d in range(1, width + 1):
+            parent = trunk[-1] if trunk else 0
+            trunk.append(len(parents))
+            parents.append(parent)
+            depth.append(d)
+            for rank in range(self.tree[d - 1] - 1 if d <= len(self.tree) else 0):
+                siblings.append((len(parents), d - 1, rank))
+                parents.append(parent)
+                depth.append(d)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return t(parents), t(depth), t(trunk), siblings
+
+    def _verify_tree(self, state, base, drafts, n_draft) -> StepOutput:
+        b, width = drafts.shape
+        dev = drafts.device
+        if width not in self.layouts:
+            layout = self._tree_layout(width, dev)
+            self.layouts[width] = layout + (build_mask(layout[0]),)
+        parents, depth, trunk, siblings, mask = self.layouts[width]
+        nodes = parents.shape[0]
+        tokens = torch.zeros(b, nodes, dtype=torch.int64, device=dev)
+        tokens[:, 0] = state.pending
+        tokens[:, trunk] = drafts
+        for node, d, rank in siblings:  # the rank-th candidate that is not the trunk token
+            cand = self.alt[:, d]
+            other = cand != drafts[:, d, None]
+            pick = torch.where(other.cumsum(1) == rank + 1, cand, -1).max(1).values
+            tokens[:, node] = torch.where(pick >= 0, pick, drafts[:, d])  # unknown: a harmless duplicate
+        real = depth[None, :] <= n_draft[:, None]
+        tree = TreeShape(torch.where(real, parents[None, :], PADDING), mask[None].expand(b, -1, -1),
+                         depth[None, :].expand(b, -1), width)
+        q = None
+        if self.q is not None:
+            vocab = self.q.shape[2]
+            q = torch.nn.functional.one_hot(tokens, vocab).float()  # siblings (and the unused root)
+            q[:, trunk] = self.q[:, :width]
+        out, path = verify_tree_and_commit(self.engine, state, tokens, tree, q, drafted=n_draft)
+        on_trunk = (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk
+        for d in self.drafters:
+            if not isinstance(d, MaG):
+                d.cache.rollback(base + on_trunk)
+        state.offset += self.max_draft + 1 - width  # as the chain step: max_draft + 2 counters in all
+        return out
 
     def stream_id(self, drafter: int) -> int:
         return 1 + 1024 * (drafter + 1) + self.reviews
@@ -269,6 +372,7 @@ class AutoCascade:
     retune_every: int = 8
 
     def decoder(self, engine):
+        require_one_device(engine, "Cascade.auto()")
         neural = [i for i, d in enumerate(engine.drafters) if not isinstance(d, MaG)]
         mags = [i for i, d in enumerate(engine.drafters) if isinstance(d, MaG)]
         if len(neural) > 1 or len(engine.drafters) > 2 or not engine.drafters or (neural and mags and mags[0] < neural[0]):

@@ -37,9 +37,13 @@ synchronised the device.
 Concurrency: the drafter side runs in a worker thread owned by the decoder (PyTorch releases
 the GIL inside its ops), on CPU and GPU alike; on CUDA it also runs on a side stream, which
 waits for the main stream before starting, and the main stream waits for it before the
-verification. Two devices (the published setting) would be a drafter runner built on its own
-device, with its inputs and drafts copied across; the engine places every model on
-`engine.device` today.
+verification.
+
+Two devices (the published setting, in one process): `Engine(..., drafter_device="cuda:1")`
+builds the drafter there. Each round the worker copies the few inputs it needs (the token
+buffer, pending / carried tokens, the sampling settings) to the drafter's device and the
+drafts come back to the target's; with one device every such copy is a no-op. Measured on
+one H100 (README): the two sides, both bandwidth-bound on one memory, did not overlap.
 """
 import contextlib
 import time
@@ -106,7 +110,9 @@ class PearlDecoder:
         # The drafter writes up to 2γ - 1 slots past the committed prefix (carry + extension).
         self.max_tokens_per_forward = 2 * gamma
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-drafter")
-        self.side_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        self.target_device, self.drafter_device = engine.device, engine.drafter_device
+        on_cuda = self.drafter_device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(self.drafter_device) if on_cuda else None
 
     def start(self, state: DecodeState, prompt_ids) -> None:
         b, dev = state.batch, state.pending.device
@@ -138,7 +144,8 @@ class PearlDecoder:
         counts = torch.where(whole, n, n + 1)
 
         self.target.cache.advance(counts * state.active)
-        self.drafter.cache.rollback(torch.where(whole, self.drafter.cache.lengths, state.committed + counts))
+        dd = self.drafter_device
+        self.drafter.cache.rollback(torch.where(whole.to(dd), self.drafter.cache.lengths, (state.committed + counts).to(dd)))
         self.post = whole & (g > 1)
         self.carry = new[:, 1:]
         self.carry_q = None if new_q is None else new_q[:, 1:]
@@ -151,8 +158,9 @@ class PearlDecoder:
         return StepOutput(emitted_block(drafts, n, res.next_token), counts)
 
     def _submit_drafter(self, state: DecodeState, post: torch.Tensor, any_post: bool):
-        if self.side_stream is not None:  # the drafter's inputs were produced on the main stream
-            self.side_stream.wait_stream(torch.cuda.current_stream())
+        if self.side_stream is not None and self.target_device.type == "cuda":
+            # the drafter's inputs were produced on the target's main stream
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.target_device))
         return self.pool.submit(self._draft, state, post, any_post)
 
     def _draft(self, state: DecodeState, post: torch.Tensor, any_post: bool):
@@ -164,7 +172,12 @@ class PearlDecoder:
             first = torch.where(post, self.carry[:, -1], state.pending) if any_post else state.pending
             # Seen from draft_chain, the drafter's cache is the committed prefix and `first` the
             # pending token; a row may be gamma-1 ahead of `committed` (also a finished row).
-            drafter_view = replace(state, pending=first, committed=self.drafter.cache.lengths.clone(),
+            # Every tensor moves to the drafter's device (a no-op when it is the target's).
+            dd = self.drafter_device
+            drafter_view = replace(state, tokens=state.tokens.to(dd), pending=first.to(dd),
+                                   committed=self.drafter.cache.lengths.clone(), active=state.active.to(dd),
+                                   temperature=state.temperature.to(dd), top_k=state.top_k.to(dd),
+                                   top_p=state.top_p.to(dd), seed=state.seed.to(dd), offset=state.offset.to(dd),
                                    max_committed=state.max_committed + self.gamma - 1, metrics=StepMetrics())
             tokens, probs = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
         return tokens, probs, time.perf_counter()
@@ -175,9 +188,10 @@ class PearlDecoder:
         metrics.wait_time_s["target"] += max(0.0, drafter_done - target_done)
         metrics.wait_time_s["drafter"] += max(0.0, target_done - drafter_done)
         if self.side_stream is not None:
-            main = torch.cuda.current_stream()
+            main = torch.cuda.current_stream(self.drafter_device)
             main.wait_stream(self.side_stream)
             for t in (tokens, probs):  # made on the side stream, used on the main one from now on
                 if t is not None:
                     t.record_stream(main)
-        return tokens, probs
+        tokens = tokens.to(self.target_device)  # no-ops on one device
+        return tokens, None if probs is None else probs.to(self.target_device)

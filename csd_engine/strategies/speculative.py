@@ -6,7 +6,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DecodeState, StepOutput, catch_up_tokens, emitted_block, forward_tokens,
-                                        logits_at)
+                                        logits_at, require_one_device)
 
 TARGET_STREAM, DRAFT_STREAM = 0, 1
 
@@ -26,6 +26,7 @@ class Speculative:
         if not 0 <= self.drafter < len(engine.drafters):
             raise ValueError(f"Speculative(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
                              f"the engine has {len(engine.drafters)} drafter(s)")
+        require_one_device(engine, "Speculative")
         return SpeculativeDecoder(engine, self.k, self.drafter)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import DecodeState, StepOutput
+from csd_engine.strategies.base import DecodeState, StepOutput, require_one_device
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)
 
@@ -67,6 +67,7 @@ class Staged:
         if max(self.branching) > vocab:
             raise ValueError(f"Staged.branching={self.branching} asks for more children than the vocabulary "
                              f"has tokens ({vocab})")
+        require_one_device(engine, "Staged")
         return StagedDecoder(engine, self)
 
 
@@ -100,4 +101,4 @@ class StagedDecoder:
         if self.mag is not None:
             tails = tokens[:, self.likely_path].tolist()
             tokens = torch.cat([tokens, self.mag.propose(tails, self.mag_tokens).to(tokens.device)], dim=1)
-        return verify_tree_and_commit(self.engine, state, tokens, self.tree.expand(state.batch))
+        return verify_tree_and_commit(self.engine, state, tokens, self.tree.expand(state.batch))[0]

@@ -97,13 +97,16 @@ def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], t
 
 
 def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tree: TreeShape,
-                           draft_probs: torch.Tensor | None = None) -> StepOutput:
+                           draft_probs: torch.Tensor | None = None,
+                           drafted: torch.Tensor | None = None) -> tuple[StepOutput, torch.Tensor]:
     """The target reviews `tokens` [B, N] (tokens[:, 0] = pending) arranged as `tree` in one
-    forward; returns each row's accepted path then its correction / bonus token.
+    forward; returns (each row's accepted path then its correction / bonus token, the path's
+    node indices [B, max_depth], -1 after it).
 
     draft_probs: None for deterministic children, else [B, N, V] (the q each node was drawn
-    from). The target's cache ends holding pending and the accepted path in contiguous slots;
-    the random counters offset .. offset + max_depth are consumed."""
+    from). drafted: [B] depth of each row's tree, for the metrics (default: from tree.depth).
+    The target's cache ends holding pending and the accepted path in contiguous slots; the
+    random counters offset .. offset + max_depth are consumed."""
     target = engine.target
     n_nodes = tokens.shape[1]
     logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
@@ -119,6 +122,7 @@ def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tre
 
     state.offset += tree.max_depth + 1
     state.metrics.target_forwards += 1
-    state.metrics.record(0, accepted, tree.depth.max(dim=1).values, state.active, tree.max_depth)  # drafted = tree depth
+    drafted = tree.depth.max(dim=1).values if drafted is None else drafted  # drafted = tree depth
+    state.metrics.record(0, accepted, drafted, state.active, tree.max_depth)
     path_tokens = tokens.gather(1, path.clamp(min=0))
-    return StepOutput(emitted_block(path_tokens, accepted, result.next_token), accepted + 1)
+    return StepOutput(emitted_block(path_tokens, accepted, result.next_token), accepted + 1), path

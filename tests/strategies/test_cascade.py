@@ -144,3 +144,54 @@ def test_auto_cost_model_prefers_what_is_cheap_and_accepted(models):
     auto.rates[(-1, "mag", 1.0)] = [999.0, 1000.0]
     k, _ = auto.best()
     assert k[0][0] == 0 and k[0][1] == auto.cfg.max_tokens
+
+
+def test_tree_at_the_top_level_greedy_fuzz(models):
+    """Cascade(tree=...): the target verifies the cascade's draft as the trunk of a tree with the
+    reviews' other likely tokens beside it; greedy output stays plain greedy decoding for random
+    K, lenience, tree shapes, batch sizes and prompts, on both verification backends."""
+    target, d1, d2 = models
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    engines = {b: Engine(target, drafters=[d1, d2, "mag"], max_batch_size=4, max_seq_len=96, verify_backend=b)
+               for b in ("triton", "torch")}
+    for trial in range(5):
+        k = random_k_matrix(rng, 3, last_is_mag=True)
+        tree = tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 4)))
+        strategy = Cascade(k_matrix=k, lenience=rng.choice([1, 2, 5]), mag_tokens=rng.randint(1, 4), tree=tree)
+        prompts = random_prompts(rng.randint(1, 4), lo=1, hi=16, seed=rng.randrange(10**6))
+        out = assert_greedy_equals_autoregressive(engines["triton" if trial < 2 else "torch"], prompts, strategy,
+                                                  max_new_tokens=16)
+        assert out[0].metrics.mean_accepted_tokens >= 1, f"seed {seed} trial {trial}"
+
+
+def test_tree_siblings_are_used_when_the_trunk_misses(models):
+    """With a drafter that often disagrees, the target takes a sibling at depth 1 in some steps:
+    the tree accepts more tokens per target forward than the same cascade as a chain."""
+    target, _, d2 = models
+    engine = Engine(target, drafters=[d2, "mag"], max_batch_size=4, max_seq_len=96, verify_backend="torch")
+    prompts = random_prompts(4, lo=3, hi=12, seed=5)
+    params = SamplingParams(max_new_tokens=40)
+    chain = engine.generate(prompts, params, strategy=Cascade(k_matrix=[[3, 0], [0, 2]]))
+    tree = engine.generate(prompts, params, strategy=Cascade(k_matrix=[[3, 0], [0, 2]], tree=(4, 3)))
+    assert [r.token_ids for r in tree] == [r.token_ids for r in chain]
+    assert sum(r.metrics.target_forwards for r in tree) < sum(r.metrics.target_forwards for r in chain)
+
+
+@pytest.mark.parametrize("temperature,lenience", [(1.0, 1.0), (0.7, 2.0)])
+def test_tree_at_the_top_level_samples_follow_the_target(models, temperature, lenience):
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2000, max_seq_len=32, verify_backend="torch")
+    strategy = Cascade(k_matrix=[[2, 1], [0, 2]], lenience=lenience, mag_tokens=2, tree=(3, 2))
+    assert_samples_follow_target(engine, target, [7, 3, 7, 3, 7], strategy, temperature=temperature, draws=2000)
+
+
+def test_bad_tree_is_refused(models):
+    target, d1, _ = models
+    for bad in ((0,), (2, "3"), 4, (True,)):
+        with pytest.raises(ValueError, match="Cascade.tree"):
+            Cascade(tree=bad)
+    engine = Engine(target, drafters=["mag"], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="needs a neural drafter"):
+        engine.generate([[1, 2]], strategy=Cascade(k_matrix=[[4]], tree=(2,)))
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids  # still usable

@@ -5,7 +5,7 @@ the output depend on timing."""
 import pytest
 import torch
 
-from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative, Staged
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.strategies.pearl import Pearl
@@ -175,4 +175,38 @@ def test_bad_configurations_are_refused(models):
 def test_greedy_equals_autoregressive_on_cuda_streams(models):
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], device="cuda", max_batch_size=3, max_seq_len=96)
+    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()), Pearl(gamma=3))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_on_its_own_device_gives_the_same_tokens(models, temperature):
+    """Engine(drafter_device=...) puts the drafter on another device and PEARL moves its inputs
+    and drafts across. On this machine the other device is "cpu:0": a distinct device name on
+    the same memory, so every copy of the bridge runs (as no-ops) and the tokens, greedy and
+    sampled with a seed, must be those of the one-device engine. The other strategies refuse
+    such an engine with a message naming drafter_device, and it stays usable."""
+    target, drafters = models
+    seed = fresh_seed()
+    prompts = random_prompts(2, lo=2, hi=10, seed=seed)
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, seed=seed)
+    one = Engine(target, drafters=[drafters[1]], max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    two = Engine(target, drafters=[drafters[1], "mag"], max_batch_size=2, max_seq_len=64, verify_backend="torch",
+                 drafter_device="cpu:0")
+    assert two.drafters[0].device == torch.device("cpu:0") != two.device
+    expected = one.generate(prompts, params, strategy=Pearl(gamma=3))
+    assert [r.token_ids for r in two.generate(prompts, params, strategy=Pearl(gamma=3))] == \
+        [r.token_ids for r in expected], f"seed {seed}"
+    for strategy in (Speculative(k=2), Cascade(k_matrix=[[2, 2], [0, 2]]), Cascade.auto(), Staged()):
+        with pytest.raises(ValueError, match="drafter_device"):
+            two.generate(prompts, params, strategy=strategy)
+    assert [r.token_ids for r in two.generate(prompts, params, strategy=Autoregressive())] == \
+        [r.token_ids for r in one.generate(prompts, params, strategy=Autoregressive())]
+
+
+@pytest.mark.gpu
+def test_target_on_the_cpu_and_drafter_on_cuda_equals_autoregressive(models):
+    """The two-device layout for real: the target on the CPU, the drafter on the GPU."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], device="cpu", drafter_device="cuda", max_batch_size=3,
+                    max_seq_len=96, verify_backend="torch")
     assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()), Pearl(gamma=3))

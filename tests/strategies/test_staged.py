@@ -115,7 +115,7 @@ class OracleTrees:
 
     def step(self, state):
         rows = [self._row(r, c, p) for r, (c, p) in enumerate(zip(state.committed.tolist(), state.pending.tolist()))]
-        return verify_tree_and_commit(self.engine, state, torch.tensor(rows), self.tree.expand(state.batch))
+        return verify_tree_and_commit(self.engine, state, torch.tensor(rows), self.tree.expand(state.batch))[0]
 
 
 def cached_kv(runner, row: int, length: int) -> torch.Tensor:
