@@ -2,7 +2,8 @@
 
     csd-engine generate --target smollm2-135m --prompt "Write a haiku about caches" --strategy speculative --drafter mag
     csd-engine generate --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --drafter mag \
-        --strategy cascade --dtype bfloat16 --chat --prompt "Write a Python function that checks for primes."
+        --strategy cascade --k-matrix '[[2,4],[0,4]]' --lenience 2 --tree '[3,2]' --dtype bfloat16 --chat \
+        --prompt "Write a Python function that checks for primes."
 
 `--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating.
 """
@@ -16,6 +17,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 STRATEGIES = ("autoregressive", "speculative", "cascade", "staged", "pearl")
 
 
+def _json(text: str, flag: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} must be JSON, e.g. '[[2,4],[0,4]]' or '[3,2]'; got {text!r} ({exc.msg})") from None
+
+
 def build_strategy(args):
     import csd_engine
     if args.strategy == "autoregressive":
@@ -23,8 +31,12 @@ def build_strategy(args):
     if args.strategy == "speculative":
         return csd_engine.Speculative(k=args.k)
     if args.strategy == "cascade":
-        return csd_engine.Cascade.auto() if args.k_matrix is None else csd_engine.Cascade(
-            k_matrix=json.loads(args.k_matrix), lenience=args.lenience)
+        if args.k_matrix is None:
+            if args.tree:
+                raise ValueError("--tree needs --k-matrix (Cascade.auto() verifies chains)")
+            return csd_engine.Cascade.auto()
+        return csd_engine.Cascade(k_matrix=_json(args.k_matrix, "--k-matrix"), lenience=args.lenience,
+                                  mag_tokens=args.mag_tokens, tree=tuple(_json(args.tree or "[]", "--tree")))
     if args.strategy == "staged":
         return csd_engine.Staged()
     return csd_engine.Pearl(gamma=args.k)
@@ -47,6 +59,8 @@ def main(argv=None) -> int:
     g.add_argument("--k", type=int, default=4, help="draft length (speculative) / gamma (pearl)")
     g.add_argument("--k-matrix", default=None, help="cascade K matrix as JSON, e.g. '[[2,6],[0,8]]'")
     g.add_argument("--lenience", type=float, default=1.0)
+    g.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call (cascade)")
+    g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]'")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--max-seq-len", type=int, default=2048)
@@ -82,7 +96,8 @@ def main(argv=None) -> int:
             print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
                               "finish_reason": r.finish_reason, "metrics": vars(m)}))
         else:
-            print(f"{prompt}{r.text if r.text is not None else r.token_ids}")
+            separator = "\n" if args.chat else ""  # a chat reply is not a continuation of the prompt
+            print(f"{prompt}{separator}{r.text if r.text is not None else r.token_ids}")
             print(f"[{args.strategy}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
                   f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
     return 0

@@ -12,3 +12,15 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "--target", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     assert "not a model" in capsys.readouterr().err
+
+
+def test_cli_cascade_options_are_checked(tmp_path, capsys):
+    """Malformed --k-matrix JSON and --tree without a K matrix are clear errors (exit 2)."""
+    folder = tmp_path / "tiny"
+    tiny_llama(seed=2).save_pretrained(folder)
+    common = ["generate", "--target", str(folder), "--drafter", str(folder), "--drafter", "mag", "--json",
+              "--max-new-tokens", "6", "--max-seq-len", "64"]
+    assert main(common + ["--prompt", "x", "--strategy", "cascade", "--k-matrix", "[[2,4],[0,4]"]) == 2
+    assert "--k-matrix must be JSON" in capsys.readouterr().err
+    assert main(common + ["--prompt", "x", "--strategy", "cascade", "--tree", "[3]"]) == 2
+    assert "--tree needs --k-matrix" in capsys.readouterr().err
