@@ -191,6 +191,7 @@ class Engine:
         width = max(lens) - 1
         for runner in self.models():
             runner.use_rows(b) if hasattr(runner, "use_rows") else runner.allocate(b, self.capacity)
+            runner.nonfinite_rows = torch.zeros(b, dtype=torch.bool, device=runner.device)
             runner.cache.reset()
             if width > 0:  # prefill: every prompt but its last token, right-padded
                 prefix = tokens[:, :width].to(runner.device)
@@ -215,7 +216,10 @@ class Engine:
                 if finish[row] is None:
                     forwards[row] = [f + a - c for f, a, c in zip(forwards[row], after, before)]
             self._commit(state, out)
-            host = torch.cat([out.counts[:, None], out.tokens], dim=1).tolist()  # the one read per step
+            models = self.models()
+            nonfinite = torch.stack([m.nonfinite_rows.to(self.device) for m in models], 1)  # [B, models]
+            host = torch.cat([out.counts[:, None], out.tokens, nonfinite.long()], dim=1).tolist()  # the one read
+            self._check_finite([h[-len(models):] for h in host])
             if hasattr(decoder, "observe"):  # host-side drafters (MaG) learn the emitted tokens
                 decoder.observe([h[1:1 + h[0]] for h in host])
             finished_before = sum(f is not None for f in finish)
@@ -238,6 +242,19 @@ class Engine:
         return [GenerationResult(outputs[r], self._decode_text(outputs[r]), finish[r],
                                  self._metrics(state.metrics, r, len(outputs[r]), forwards[r], wall))
                 for r in range(b)]
+
+    def _check_finite(self, flags: list[list[int]]) -> None:
+        """Raise, naming the model and the prompts, if any model produced NaN / inf logits (the
+        next generate starts from fresh caches, so the engine stays usable)."""
+        bad = [(row, m) for row, row_flags in enumerate(flags) for m, flag in enumerate(row_flags) if flag]
+        if not bad:
+            return
+        names = ["the target"] + [f"drafter {i}" for i, d in enumerate(self.drafters) if not isinstance(d, MaG)]
+        which = sorted({names[m] for _, m in bad})
+        rows = sorted({row for row, _ in bad})
+        raise ValueError(f"non-finite logits (NaN or inf) from {', '.join(which)} for prompt(s) {rows}: the model's "
+                         f"weights or activations overflow or are corrupt in {self.dtype}; use float32 or bfloat16 "
+                         "(float16 overflows easily) or check the model's weights")
 
     @staticmethod
     def _commit(state: DecodeState, out) -> None:

@@ -35,6 +35,9 @@ class Runner:
     num_params: int
     device: torch.device
     cache: KVCache | None = None
+    # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
+    # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
+    nonfinite_rows: torch.Tensor | None = None
 
     def allocate(self, batch: int, capacity: int) -> None:
         raise NotImplementedError
@@ -44,7 +47,10 @@ class Runner:
         raise NotImplementedError
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
-        return self.forward(batch)
+        logits = self.forward(batch)
+        if logits is not None and self.nonfinite_rows is not None:
+            self.nonfinite_rows |= ~torch.isfinite(logits).flatten(1).all(1)
+        return logits
 
 
 def attention_mask(lengths: torch.Tensor, n: int, kv_bound: int, tree_mask: torch.Tensor | None) -> torch.Tensor:

@@ -99,3 +99,27 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
 def test_public_api_exports():
     assert {"Engine", "SamplingParams", "Autoregressive", "Speculative"} <= set(csd_engine.__all__)
     assert isinstance(Autoregressive(), Autoregressive)
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "cascade"])
+def test_nan_logits_are_a_clear_error_and_the_engine_stays_usable(strategy):
+    """A model whose embedding of token 5 is NaN poisons every row that contains it: generate
+    raises naming the model and the prompt (never tokens from NaN), and the other prompts still
+    generate afterwards, through a target or a drafter alike."""
+    from tests.tiny_models import perturbed
+    healthy = tiny_llama(seed=7)
+    broken = tiny_llama(seed=7)
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[5] = float("nan")
+    target, drafters, name = (broken, [], "the target") if strategy == "autoregressive" else \
+        (healthy, [broken], "drafter 0")
+    if strategy == "cascade":
+        drafters = [broken, perturbed(healthy, noise=0.1, seed=8), "mag"]
+    engine = Engine(target, drafters=drafters, max_batch_size=2, max_seq_len=32, verify_backend="torch")
+    chosen = {"autoregressive": Autoregressive(), "speculative": csd_engine.Speculative(k=3),
+              "cascade": csd_engine.Cascade(k_matrix=[[2, 1, 0], [0, 2, 1], [0, 0, 2]])}[strategy]
+    params = SamplingParams(max_new_tokens=6)
+    with pytest.raises(ValueError, match=rf"non-finite logits \(NaN or inf\) from {name} for prompt\(s\) \[1\]"):
+        engine.generate([[1, 2, 3], [4, 5, 6]], params, strategy=chosen)
+    clean = engine.generate([[1, 2, 3]], params, strategy=chosen)[0].token_ids
+    assert clean == Engine(healthy, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0].token_ids
