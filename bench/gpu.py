@@ -252,6 +252,14 @@ def bench_autoregressive(models: Models, copy_gb_per_s: float) -> dict:
         measure(f"csd_engine eager, {backend} attention", lambda: engine.generate([prompt], params)[0].token_ids)
     engine = engine_for(GraphedRunner(runner), [], models)
     measure("csd_engine CUDA graphs, triton attention", lambda: engine.generate([prompt], params)[0].token_ids)
+    if device.type == "cuda" and not models.fused:  # the fused norm / RoPE kernels, end to end
+        runner.fused = True
+        try:
+            engine = engine_for(GraphedRunner(runner), [], models)
+            measure("csd_engine CUDA graphs, triton attention, fused kernels",
+                    lambda: engine.generate([prompt], params)[0].token_ids)
+        finally:
+            runner.fused = False
     measure("transformers generate, static cache (eager)", lambda: hf_generate(models, prompt, compiled=False))
     floor_ms = models.weight_bytes / copy_gb_per_s / 1e6
     rows.append(dict(method="bandwidth floor (weight bytes / copy bandwidth)", tokens_per_s=1e3 / floor_ms,

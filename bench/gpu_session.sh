@@ -2,7 +2,9 @@
 # Everything a lent GPU should check, in one device call (under 10 minutes on one H100):
 #   1. build the extension with its CUDA kernels for the local GPU;
 #   2. the GPU-marked tests plus the kernel and graph tests, compiled for real (no interpreter);
-#   3. bench/gpu.py (measurements; table printed last).
+#   3. bench/gpu.py (measurements; table printed last). Its forward_profile times the native
+#      runner with and without the fused RMSNorm / RoPE kernels: if they pass here and are
+#      faster, flip LlamaRunner's `fused` default (written in a session without a GPU).
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
 set -uo pipefail
@@ -33,7 +35,8 @@ python3 -c "import csd_engine.ops as o; print('[gpu_session] extension loaded:',
 if [ "$what" != bench ]; then
   # tests/kernels run on CUDA tensors when a GPU is there; elsewhere only the gpu-marked tests
   # (the others build CPU models, which CI covers).
-  { timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels
+  { timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels \
+      tests/models/test_llama.py::test_fused_kernels_give_the_plain_path_logits
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels; } \
     2>&1 | tee "$OUT/pytest-gpu.log" | grep -v "^\." | tail -60
   echo "[gpu_session] tests done at $(( $(date +%s) - start )) s"
