@@ -22,8 +22,10 @@ counts, cache lengths, next positions, per-row metrics):
 * Pearl reads whether any row is in post-verify at the start of a step, when the device is
   idle anyway (the engine's read just drained it);
 * Cascade's intermediate levels are data-dependent: each review reads which rows still need
-  tokens and how wide the next forward is (a few reads per review). On an H100 this host
-  work is most of the 9.2 ms "other" per cascade step (README, GPU measurements).
+  tokens and, in one read, how wide its draft and its forward are; each MaG call reads the
+  draft it extends, in one read; the step reads the final draft width. Attention bounds are
+  host-known. On an H100 this host work was most of the 9.2 ms "other" per cascade step
+  (README, GPU measurements; measured before two of the reads per review were removed).
 Kernel input checks read tensor values on the CPU only (verify, tree_verify).
 """
 import time

@@ -211,8 +211,9 @@ class CascadeDecoder:
         mag = self.drafters[d]
         base = state.committed + 1
         window = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(self.max_draft, device=base.device))
-                              .clamp(max=state.tokens.shape[1] - 1)).tolist()
-        tails = [row[:n] for row, n in zip(window, (length - base).tolist())]  # one host read
+                              .clamp(max=state.tokens.shape[1] - 1))
+        host = torch.cat([(length - base)[:, None], window], 1).tolist()  # one host read
+        tails = [row[1:1 + row[0]] for row in host]
         prop = mag.propose(tails, self.mag_tokens).to(state.tokens.device)
         m = self.mag_tokens
         cols = length[:, None] + torch.arange(m, device=length.device)
@@ -233,10 +234,10 @@ class CascadeDecoder:
         model = self.drafters[d]
         dev = mark.device
         m = (sub_len - mark) * need  # rows not in need review nothing and change nothing
-        width = int(m.max())
         model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
         feed_from = model.cache.lengths.clone()
-        logits = self._forward(model, state, None, feed_from, int((sub_len - feed_from).max()), upto=sub_len)
+        width, fed = torch.stack([m.max(), (sub_len - feed_from).max()]).tolist()  # one host read
+        logits = self._forward(model, state, None, feed_from, fed, upto=sub_len)
         # logits at working positions mark-1 .. mark-1+width (relative to what was fed)
         rel = (mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]
         rel = rel.clamp(0, logits.shape[1] - 1)
@@ -347,7 +348,9 @@ class CascadeDecoder:
             cols = feed_from[:, None] + torch.arange(width, device=dev)[None, :]
             ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         from csd_engine.models.runner import ForwardBatch
-        bound = int(feed_from.max()) + ids.shape[1]
+        # Host-known bound (no read): a cache never holds more than the committed prefix, pending
+        # and the largest draft; the runner masks whatever lies past a row's own length.
+        bound = min(state.max_committed + 1 + self.max_draft + ids.shape[1], self.engine.capacity)
         out = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
         fed = ids.shape[1] if upto is None else (upto - feed_from).clamp(min=0)
         if model is not self.target:
