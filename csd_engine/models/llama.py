@@ -6,7 +6,7 @@ Numerics follow transformers: RMSNorm in fp32, RoPE tables computed in fp32 then
 
 Two paths with the same roundings: plain PyTorch ops (the default), and `fused=True`: Triton
 kernels that fuse the residual add with each RMSNorm (kernels/rmsnorm.py) and RoPE with the
-KV-cache write (kernels/rope.py), taking a layer from ~40 launches to ~12. The profile on an
+KV-cache write (kernels/rope.py), taking a layer from ~40 launches to ~12 (counted from the code). The profile on an
 H100 (bench/gpu.py forward_profile, README) showed those small launches cost ~2.4 ms of a
 7.9 ms Llama-2-7B decoding step. The fused path is tested against the PyTorch one in Triton's
 interpreter; it becomes the CUDA default once a GPU session has run its tests and timings.

@@ -111,12 +111,6 @@ class Cascade:
         return CascadeDecoder(engine, k, float(self.lenience), self.mag_tokens, self.tree)
 
 
-def build_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[N, N] ancestor mask (self included) of one parent array, built with the extension op."""
-    from csd_engine.ops import build_tree_mask
-    return build_tree_mask(parents[None])[0][0]
-
-
 def _max_growth(k, is_mag, mag_tokens) -> int:
     """Host-side bound on how many tokens one draft(...) call can add (sizes the buffers)."""
     total = 0
@@ -284,46 +278,45 @@ class CascadeDecoder:
         self.alt.masked_fill_(stale[:, :, None], -1)
         j = col - start[:, None]  # this review's logit row for each depth
         fresh = need[:, None] & (j >= 0) & (j <= n[:, None]) & (j < logits.shape[1])
-        candidates = logits.topk(top, dim=-1).indices.gather(1, j.clamp(0, logits.shape[1] - 1)[:, :, None]
-                                                               .expand(-1, -1, top))
+        rows = j.clamp(0, logits.shape[1] - 1)[:, :, None].expand(-1, -1, logits.shape[2])
+        candidates = logits.gather(1, rows).topk(top, dim=-1).indices  # only the rows a depth uses
         self.alt = torch.where(fresh[:, :, None], candidates, self.alt)
 
     def _tree_layout(self, width: int, device):
         """Node order: the root, then depth by depth the trunk token and its extra siblings, so
-        a row with a shorter trunk pads only at the end. Returns (parents [N], depth [N],
-        trunk node of each depth [width], for each sibling node its (depth index, rank))."""
-        parents, depth, trunk, siblings = [ROOT], [0], [], []
+        a row with a shorter trunk pads only at the end. Returns (the tree of one row, trunk
+        node of each depth [width], and per sibling node: its node, depth index and rank)."""
+        parents, trunk, sibling, sibling_depth, sibling_rank = [ROOT], [], [], [], []
         for d in range(1, width + 1):
             parent = trunk[-1] if trunk else 0
             trunk.append(len(parents))
             parents.append(parent)
-            depth.append(d)
             for rank in range(self.tree[d - 1] - 1 if d <= len(self.tree) else 0):
-                siblings.append((len(parents), d - 1, rank))
+                sibling.append(len(parents))
+                sibling_depth.append(d - 1)
+                sibling_rank.append(rank)
                 parents.append(parent)
-                depth.append(d)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return t(parents), t(depth), t(trunk), siblings
+        return TreeShape.build(t([parents]), width), t(trunk), (t(sibling), t(sibling_depth), t(sibling_rank))
 
     def _verify_tree(self, state, base, drafts, n_draft) -> StepOutput:
         b, width = drafts.shape
-        dev = drafts.device
         if width not in self.layouts:
-            layout = self._tree_layout(width, dev)
-            self.layouts[width] = layout + (build_mask(layout[0]),)
-        parents, depth, trunk, siblings, mask = self.layouts[width]
-        nodes = parents.shape[0]
-        tokens = torch.zeros(b, nodes, dtype=torch.int64, device=dev)
+            self.layouts[width] = self._tree_layout(width, drafts.device)
+        shape, trunk, (sibling, sibling_depth, sibling_rank) = self.layouts[width]
+        tokens = torch.zeros(b, shape.parents.shape[1], dtype=torch.int64, device=drafts.device)
         tokens[:, 0] = state.pending
         tokens[:, trunk] = drafts
-        for node, d, rank in siblings:  # the rank-th candidate that is not the trunk token
-            cand = self.alt[:, d]
-            other = cand != drafts[:, d, None]
-            pick = torch.where(other.cumsum(1) == rank + 1, cand, -1).max(1).values
-            tokens[:, node] = torch.where(pick >= 0, pick, drafts[:, d])  # unknown: a harmless duplicate
-        real = depth[None, :] <= n_draft[:, None]
-        tree = TreeShape(torch.where(real, parents[None, :], PADDING), mask[None].expand(b, -1, -1),
-                         depth[None, :].expand(b, -1), width)
+        if sibling.numel():  # depth d's rank-th candidate other than the trunk token
+            cand = self.alt[:, sibling_depth]  # [B, S, K]
+            is_trunk = cand == drafts[:, sibling_depth, None]
+            others = cand.gather(2, is_trunk.int().argsort(dim=2, stable=True))  # trunk token moved last
+            pick = others.gather(2, sibling_rank[None, :, None].expand(b, -1, 1))[:, :, 0]
+            # a depth no neural review scored (-1): a harmless duplicate of the trunk token
+            tokens[:, sibling] = torch.where(pick >= 0, pick, drafts[:, sibling_depth])
+        real = shape.depth <= n_draft[:, None]
+        tree = TreeShape(torch.where(real, shape.parents, PADDING), shape.mask.expand(b, -1, -1),
+                         shape.depth.expand(b, -1), width)
         q = None
         if self.q is not None:
             vocab = self.q.shape[2]
