@@ -113,7 +113,9 @@ def committed_prefix_matches_fresh_prefill(model, runner, row: int, sequence: li
         got = getattr(runner.cache, name)[:, row, :, :n]
         want = getattr(fresh.cache, name)[:, 0, :, :n]
         err = (got - want).abs().max().item()
-        assert torch.allclose(got, want, atol=1e-5, rtol=0), f"row {row}: cache {name} differs by {err:.2e}"
+        # fp32 entries written by 1..γ-token forwards vs one prefill differ by rounding only (up to
+        # ~1e-5 at magnitude ~3, seen); an entry for a wrong token or slot differs by O(1).
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"row {row}: cache {name} differs by {err:.2e}"
 
 
 def test_both_caches_hold_the_committed_sequence_after_many_switches(models):
