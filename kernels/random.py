@@ -66,9 +66,14 @@ def gumbel_ref(seed, counter, index) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_ref(seed, counter, index)))
 
 
-def stream_seed(seed: torch.Tensor, stream: int) -> torch.Tensor:
-    """An independent seed per (request seed, stream id); stream 0 is the seed itself."""
-    if stream == 0:
-        return seed
+def stream_seed(seed: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
+    """An independent seed per (request seed, stream id); stream 0 is the seed itself.
+    `stream` is one id for every row or a [B] tensor of per-row ids (a row's own count of
+    something, so that its random numbers never depend on the other rows)."""
+    if isinstance(stream, int):
+        if stream == 0:
+            return seed
+        stream = torch.tensor(stream)
     s = torch.as_tensor(seed, dtype=torch.int64) & MASK32
-    return _mix32_ref(s ^ _mix32_ref(torch.tensor(stream * 0x632BE5AB & MASK32)))
+    mixed = _mix32_ref(s ^ _mix32_ref((stream.to(device=s.device, dtype=torch.int64) * 0x632BE5AB) & MASK32))
+    return torch.where(stream.to(s.device) == 0, seed, mixed)

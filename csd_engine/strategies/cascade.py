@@ -156,7 +156,7 @@ class CascadeDecoder:
         self.q = None if state.all_greedy else torch.zeros(b, self.max_draft, self.target.vocab_size, device=dev)
         if self.tree:  # per row and depth: the candidates of the last valid neural review, -1 unknown
             self.alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev)
-        self.reviews = 0
+        self.reviews = torch.zeros(b, dtype=torch.int64, device=dev)  # per row: its own reviews this step
         self.current_reviewer = None
         length = self._draft(state, list(range(len(self.drafters))), self.k, base.clone(), base, state.active)
         n_draft = length - base
@@ -243,9 +243,9 @@ class CascadeDecoder:
         if self.q is not None:
             qrel = ((mark - base)[:, None] + torch.arange(width, device=dev)).clamp(0, self.q.shape[1] - 1)
             q = self.q.gather(1, qrel[:, :, None].expand(-1, -1, self.q.shape[2]))
-        self.reviews += 1
         self.current_reviewer = d
         args = state.sampling_args(self.stream_id(d))
+        self.reviews += need.to(torch.int64)
         res = self.verifier.chain(logits, drafts, m, q, lenience=self.lenience, **args)
         n = res.num_accepted.to(torch.int64)
         state.metrics.count_drafter(d)
@@ -330,7 +330,9 @@ class CascadeDecoder:
         state.offset += self.max_draft + 1 - width  # as the chain step: max_draft + 2 counters in all
         return out
 
-    def stream_id(self, drafter: int) -> int:
+    def stream_id(self, drafter: int) -> torch.Tensor:
+        """[B] random stream of each row's next review by `drafter`: counted per row, so a row's
+        random numbers never depend on how many reviews the other rows of the batch needed."""
         return 1 + 1024 * (drafter + 1) + self.reviews
 
     def _forward(self, model, state, ids, feed_from, width, upto=None):

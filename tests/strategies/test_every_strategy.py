@@ -1,0 +1,166 @@
+"""Claims every strategy must keep, checked on every strategy alike (one parametrisation):
+
+* a seeded request gives the same tokens alone, inside batches of other requests (ragged
+  prompts, mixed greedy / sampled / top-k / top-p rows, other lengths), and when run again;
+* stop tokens end a request at their first occurrence, also inside an accepted draft, greedy
+  and sampled; per-row `max_new_tokens` and `max_seq_len` end it with finish reason `length`;
+* acceptance floor: with drafters identical to the target, every draft the target is offered
+  is accepted (a cache that keeps a rejected token, or loses one, makes the drafter see
+  another context and fails this without CSD_DEBUG).
+
+The PyTorch verification backend keeps these fast (tests/kernels prove that the Triton
+kernels draw the same tokens).
+"""
+import pytest
+import torch
+
+from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
+from tests.tiny_models import perturbed, random_prompts, tiny_llama
+
+MAX_SEQ_LEN = 64
+
+# name -> (drafters, strategy); drafters name the fixture models ("d1", "d2") or "mag".
+STRATEGIES = {
+    "autoregressive": ((), Autoregressive()),
+    "speculative-model": (("d1",), Speculative(k=3)),
+    "speculative-mag": (("mag",), Speculative(k=4)),
+    "cascade2-l1": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=1, mag_tokens=2)),
+    "cascade2-l2": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2)),
+    "cascade3-l1": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=1,
+                                                 mag_tokens=2)),
+    "cascade3-l2": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=2,
+                                                 mag_tokens=2)),
+    "cascade-tree": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2, tree=(3, 2))),
+    "cascade-auto": (("d1", "mag"), Cascade.auto()),
+    "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
+    "pearl": (("d1",), Pearl(gamma=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=41)
+    return {"target": target, "d1": perturbed(target, noise=0.2, seed=42), "d2": perturbed(target, noise=0.5, seed=43)}
+
+
+_engines = {}
+
+
+def engine_for(models, name: str, batch: int = 8) -> Engine:
+    drafters = STRATEGIES[name][0]
+    key = (drafters, batch)
+    if key not in _engines:
+        _engines[key] = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                               max_batch_size=batch, max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
+    return _engines[key]
+
+
+def repetitive_prompt(seed: int, length: int = 12) -> list[int]:
+    """A prompt that repeats itself, so MaG finds matches and drafts get accepted and rejected."""
+    head = random_prompts(1, lo=3, hi=3, seed=seed)[0]
+    return (head * length)[:length]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_seeded_request_same_alone_in_batches_and_again(models, name):
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    mine = SamplingParams(temperature=1.0, seed=1234, max_new_tokens=20)
+    prompt = repetitive_prompt(7)
+    alone = engine.generate([prompt], mine, strategy=strategy)[0].token_ids
+    others = random_prompts(5, lo=1, hi=15, seed=8)
+    others[1] = repetitive_prompt(9, 14)
+    other_params = [SamplingParams(max_new_tokens=7),  # greedy, ends early
+                    SamplingParams(temperature=0.7, top_k=5, seed=1, max_new_tokens=25),
+                    SamplingParams(temperature=1.3, top_p=0.8, seed=2, max_new_tokens=12),
+                    SamplingParams(temperature=1.0, seed=1234, max_new_tokens=3),  # same seed, other prompt
+                    SamplingParams(max_new_tokens=30)]
+    batch_a = engine.generate(others[:2] + [prompt] + others[2:], other_params[:2] + [mine] + other_params[2:],
+                              strategy=strategy)
+    batch_b = engine.generate([prompt, others[4]], [mine, other_params[4]], strategy=strategy)
+    again = engine.generate([prompt], mine, strategy=strategy)[0].token_ids
+    assert len(alone) == 20
+    assert batch_a[2].token_ids == alone, f"{name}: the request changed when others shared its batch"
+    assert batch_b[0].token_ids == alone, f"{name}: the request changed when others shared its batch"
+    assert again == alone, f"{name}: the same seeded request gave other tokens the second time"
+    greedy_alone = engine.generate([others[0]], other_params[0], strategy=strategy)[0].token_ids
+    assert batch_a[0].token_ids == greedy_alone
+
+
+def _free_run(engine, strategy, prompt, params, n):
+    return engine.generate([prompt], SamplingParams(temperature=params.temperature, seed=params.seed,
+                                                    max_new_tokens=n), strategy=strategy)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_stop_tokens_end_the_request_at_their_first_occurrence(models, name, temperature):
+    """One row per candidate stop token (every token that first appears at position >= 1 of
+    the free output), all in one batch: each row stops at its own token. With more tokens
+    than target forwards, some step committed several tokens at once, so some stop token
+    sits inside an accepted draft."""
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompt = repetitive_prompt(11)
+    base = SamplingParams(temperature=temperature, seed=77, max_new_tokens=24)
+    free = _free_run(engine, strategy, prompt, base, 24)
+    ids = free.token_ids
+    firsts = [j for j in range(1, len(ids)) if ids[j] not in ids[:j]][:engine.max_batch_size]
+    assert firsts, "the free output repeats one token: no stop token to test"
+    params = [SamplingParams(temperature=temperature, seed=77, max_new_tokens=24, stop_token_ids=[ids[j]])
+              for j in firsts]
+    results = engine.generate([prompt] * len(firsts), params, strategy=strategy)
+    for j, r in zip(firsts, results):
+        assert r.token_ids == ids[:j + 1], f"{name}: stop token {ids[j]} (first at {j}) did not end the request there"
+        assert r.finish_reason == "stop"
+    if name not in ("autoregressive", "speculative-mag", "pearl"):  # (their MAT is ~1 on this fixture)
+        assert free.metrics.target_forwards < len(ids), "no step committed more than one token"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_per_row_max_new_tokens_and_max_seq_len(models, name):
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompt = repetitive_prompt(13)
+    base = SamplingParams(temperature=1.0, seed=5, max_new_tokens=16)
+    ids = _free_run(engine, strategy, prompt, base, 16).token_ids
+    limits = [1, 2, 3, 5, 8, 13, 16]
+    results = engine.generate([prompt] * len(limits),
+                              [SamplingParams(temperature=1.0, seed=5, max_new_tokens=n) for n in limits],
+                              strategy=strategy)
+    for n, r in zip(limits, results):
+        assert r.token_ids == ids[:n] and r.finish_reason == "length", f"{name}: max_new_tokens={n}"
+    # max_seq_len bounds prompt + output, also when a step would commit past it.
+    long_prompt = (prompt * 8)[:MAX_SEQ_LEN - 5]
+    long = engine.generate([long_prompt, prompt], [SamplingParams(temperature=1.0, seed=5, max_new_tokens=40)] * 2,
+                           strategy=strategy)
+    assert len(long[0].token_ids) == 5 and long[0].finish_reason == "length"
+    assert len(long[1].token_ids) == 40 and long[1].finish_reason == "length"
+
+
+# Acceptance floor: drafters that are the target itself. Strategies whose target-level drafts
+# all come from neural levels reviewed at lenience 1 (MaG drafts at the top, or lenience, would
+# be accepted at their own rates).
+FLOOR = {
+    "speculative": Speculative(k=4),
+    "cascade": Cascade(k_matrix=[[3, 0], [0, 2]], lenience=1, mag_tokens=2),
+    "cascade3": Cascade(k_matrix=[[2, 2, 0], [0, 2, 1], [0, 0, 2]], lenience=1, mag_tokens=2),
+    "pearl": Pearl(gamma=3),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", FLOOR)
+def test_drafters_identical_to_the_target_are_always_accepted(models, name, temperature):
+    target = models["target"]
+    drafters = {"speculative": [target], "cascade": [target, "mag"], "cascade3": [target, target, "mag"],
+                "pearl": [target]}[name]
+    engine = Engine(target, drafters=drafters, max_batch_size=4, max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
+    prompts = random_prompts(3, lo=2, hi=12, seed=17) + [repetitive_prompt(19)]
+    params = [SamplingParams(temperature=temperature, seed=100 + i, max_new_tokens=30) for i in range(4)]
+    results = engine.generate(prompts, params, strategy=FLOOR[name])
+    for r in results:
+        m = r.metrics
+        assert m.drafted > 0
+        assert m.accepted == m.drafted, f"{name}: the target rejected {m.drafted - m.accepted} of {m.drafted} " \
+                                        "drafts of a drafter identical to it"
