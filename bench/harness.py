@@ -8,7 +8,7 @@ progress lines and the JSON record.
 * `repeat(fn, repeats)`: a warm-up call, then `repeats` timed calls -> `Timing` (median, min,
   max); `spread(values)` is the "min-max" cell the tables print beside a median.
 * `Progress(total)`: stderr lines with done/total and an ETA.
-* `record_path(name)` + `write_record(path, payload)`: bench/results/NAME-YYYYmmdd-HHMMSS.json
+* `record_path(name, args)` + `write_record(path, payload)`: bench/results/NAME-YYYYmmdd-HHMMSS.json
   (never overwritten) with the git commit (and whether the tree was dirty), library versions,
   hardware and date in front of the script's payload.
 """
@@ -58,8 +58,11 @@ def parser(doc: str, **defaults) -> argparse.ArgumentParser:
 
 
 def start(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """--threads; a dry run defaults to one thread (tiny models on a busy machine: 30x faster
+    than torch's default of one thread per core)."""
+    threads = args.threads or (1 if args.dry_run else None)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
 
 
@@ -160,11 +163,13 @@ def _duration(seconds: float) -> str:
 
 
 # -- the JSON record ------------------------------------------------------------------------------
-def record_path(name: str, out_dir: str | None = None) -> Path:
-    """bench/results/NAME-YYYYmmdd-HHMMSS.json (UTC), a new name even within the same second."""
-    out = Path(out_dir or HERE / "results")
+def record_path(name: str, args: argparse.Namespace) -> Path:
+    """(--out or bench/results)/NAME[-dry-run]-YYYYmmdd-HHMMSS.json (UTC), a new name even
+    within the same second."""
+    out = Path(args.out or HERE / "results")
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{name.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    name = name.replace("/", "_") + ("-dry-run" if args.dry_run else "")
+    stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     path, n = out / f"{stem}.json", 1
     while path.exists():
         n += 1
@@ -184,7 +189,10 @@ def write_record(path: Path, payload: dict, args: argparse.Namespace | None = No
 
 def git_state() -> dict:
     def git(*argv):
-        done = subprocess.run(["git", *argv], cwd=HERE, capture_output=True, text=True, timeout=30)
+        try:
+            done = subprocess.run(["git", *argv], cwd=HERE, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):  # no git on the machine (a lent GPU, say)
+            return None
         return done.stdout.strip() if done.returncode == 0 else None
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
@@ -196,8 +204,9 @@ def versions() -> dict:
     for package in ("torch", "triton", "transformers", "csd_engine", "numpy"):
         try:
             found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
+        except importlib.metadata.PackageNotFoundError:  # built in place (a lent GPU), not installed
+            module = sys.modules.get(package)
+            found[package] = getattr(module, "__version__", None)
     found["cuda"] = torch.version.cuda
     return found
 

@@ -38,11 +38,11 @@ def draw(json_path) -> list[Path]:
     data = json.loads(json_path.read_text())
     stem = json_path.with_suffix("")
     pictures = []
-    if "per_prompt" in data:
+    if "per_prompt" in data and all("key" in row for row in data.get("rows", [])):  # compare
         pictures.append(speedup_by_category(data, Path(f"{stem}-speedup.png")))
         pictures.append(acceptance_by_position(data, Path(f"{stem}-acceptance.png")))
     if "sections" in data:
-        pictures.append(step_split(data["sections"].get("step_split"), Path(f"{stem}-step-split.png")))
+        pictures.append(step_split(data, Path(f"{stem}-step-split.png")))
     if data.get("rows") and "native_ms" in data["rows"][0]:
         pictures.append(forward_cost(data["rows"], Path(f"{stem}-forward-cost.png")))
     return [p for p in pictures if p]
@@ -125,8 +125,9 @@ def acceptance_by_position(data: dict, png: Path) -> Path | None:
 
 
 # -- gpu ------------------------------------------------------------------------------------------
-def step_split(rows, png: Path) -> Path | None:
+def step_split(data: dict, png: Path) -> Path | None:
     import matplotlib.pyplot as plt
+    rows = data["sections"].get("step_split")
     if not isinstance(rows, list) or not rows:
         print(f"{png.name}: the JSON has no step_split rows", file=sys.stderr)
         return None
@@ -143,7 +144,8 @@ def step_split(rows, png: Path) -> Path | None:
     ax.set_xticklabels([f"{wrap(row['strategy'], 22)}\n({row['variant']})" for row in rows], fontsize=8)
     ax.set_ylabel("ms per target step (run with a sync around each part)")
     ax.set_ylim(0, max(bottoms) * 1.2)
-    ax.set_title("where a speculative step's time goes", fontsize=10)
+    device = data.get("device") or data.get("versions", {}).get("device", "?")
+    ax.set_title(f"where a speculative step's time goes\n{device}, {data.get('date', '')}", fontsize=10)
     ax.legend(fontsize=8)
     return save(fig, png)
 
