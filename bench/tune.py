@@ -57,6 +57,11 @@ def main(argv=None):
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = [engine.generate([ids], params)[0].token_ids for ids in encoded]  # plain greedy (also a warm-up)
     configs = grid(args.quick)
+    if args.dry_run:  # the first configuration of each kind
+        kinds = {}
+        for label, strategy, mag_only in configs:
+            kinds.setdefault((label.split("(")[0], mag_only), (label, strategy, mag_only))
+        configs = list(kinds.values())
     progress = harness.Progress(len(configs) + 2)
 
     def measure(label, strategy, mag_only):
