@@ -44,7 +44,7 @@ def draw(json_path) -> list[Path]:
     if "sections" in data:
         pictures.append(step_split(data, Path(f"{stem}-step-split.png")))
     if data.get("rows") and "native_ms" in data["rows"][0]:
-        pictures.append(forward_cost(data["rows"], Path(f"{stem}-forward-cost.png")))
+        pictures.append(forward_cost(data, Path(f"{stem}-forward-cost.png")))
     return [p for p in pictures if p]
 
 
@@ -151,18 +151,23 @@ def step_split(data: dict, png: Path) -> Path | None:
 
 
 # -- forward cost ---------------------------------------------------------------------------------
-def forward_cost(rows: list[dict], png: Path) -> Path:
+def forward_cost(data: dict, png: Path) -> Path:
     import matplotlib.pyplot as plt
+    rows = data["rows"]
     fig, ax = plt.subplots(figsize=(8, 5))
     paths = [key[:-len("_vs_1")] for key in rows[0] if key.endswith("_vs_1")]
+    labels = data.get("paths", {})
     for model, dtype in dict.fromkeys((r["model"], r["dtype"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["dtype"]) == (model, dtype)]
         for path in paths:
             ax.plot([r["n"] for r in mine], [r[f"{path}_vs_1"] for r in mine], marker="o",
-                    label=f"{model} {dtype} {path}")
+                    label=f"{model} {dtype} {labels.get(path, path)}")
+    ax.set_xticks(sorted({r["n"] for r in rows}))
     ax.set_xlabel("new tokens in one forward (n)")
     ax.set_ylabel("time / time of a 1-token forward")
-    ax.set_title("what a forward of n tokens costs", fontsize=10)
+    context = data.get("args", {}).get("context", "?")
+    ax.set_title(f"what a forward of n tokens costs after {context} cached tokens\n{hardware_name(data)}, "
+                 f"{data.get('date', '')}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return save(fig, png)
@@ -174,9 +179,13 @@ def title(data: dict, what: str) -> str:
     run = f"{args.get('target', '?')} <- {args.get('drafter', '?')}, {args.get('dtype', '?')}"
     if args.get("dry_run"):
         run = f"DRY RUN (tiny random models, numbers mean nothing), {args.get('dtype', '?')}"
-    hardware = data.get("hardware")
-    where = hardware.get("gpu") or hardware.get("cpu") if isinstance(hardware, dict) else hardware
-    return f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {where}; {data.get('date', '')}"
+    return f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {hardware_name(data)}; {data.get('date', '')}"
+
+
+def hardware_name(data: dict) -> str:
+    """The GPU or CPU a run measured (JSON before 2026-11-23: one descriptive string)."""
+    hardware = data.get("hardware", "?")
+    return hardware.get("gpu") or hardware.get("cpu") if isinstance(hardware, dict) else hardware
 
 
 def wrap(text: str, width: int) -> str:
