@@ -107,24 +107,30 @@ def instrumented(engine, stopwatch: Stopwatch):
     """Time, per part, the engine's model forwards (`target`, `drafters`, and `prefill`),
     chain verifications (`verify` for reviews of drafts, `sample` for a drafter drawing its own
     next token), tree verifications (`verify`) and MaG's proposals (`mag`). What a step spends
-    outside them is the engine's own Python and tensor bookkeeping."""
+    outside them is the engine's own Python and tensor bookkeeping. The wrappers are instance
+    attributes over the classes' methods; whatever was patched is undone on the way out, also
+    when the engine's internals no longer match and patching fails half way."""
     from csd_engine.drafters.mag import MaG
-    runners = [(engine.target, "target")] + [(d, "drafters") for d in engine.drafters if not isinstance(d, MaG)]
-    for runner, part in runners:
-        runner.forward = stopwatch.wrap(runner.forward, lambda batch, part=part: part if batch.need_logits else "prefill")
-    mags = [d for d in engine.drafters if isinstance(d, MaG)]
-    for mag in mags:
-        mag.propose = stopwatch.wrap(mag.propose, lambda *a, **kw: "mag")
-    verifier = engine.verifier
-    chain, tree = verifier.chain, verifier.tree
-    assert "chain" not in vars(verifier), "instrumented() does not nest"
-    verifier.chain = stopwatch.wrap(chain, lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
-    verifier.tree = stopwatch.wrap(tree, lambda *a, **kw: "verify")
+    patched = []  # (object, attribute, its own earlier instance value or None)
+
+    def patch(obj, name, part_of):
+        earlier = vars(obj).get(name)
+        setattr(obj, name, stopwatch.wrap(getattr(obj, name), part_of))
+        patched.append((obj, name, earlier))
+
+    assert "chain" not in vars(engine.verifier), "instrumented() does not nest"
     try:
+        for runner in [engine.target] + [d for d in engine.drafters if not isinstance(d, MaG)]:
+            part = "target" if runner is engine.target else "drafters"
+            patch(runner, "forward", lambda batch, part=part: part if batch.need_logits else "prefill")
+        for mag in (d for d in engine.drafters if isinstance(d, MaG)):
+            patch(mag, "propose", lambda *a, **kw: "mag")
+        patch(engine.verifier, "chain", lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
+        patch(engine.verifier, "tree", lambda *a, **kw: "verify")
         yield
     finally:
-        for runner, _ in runners:
-            del runner.forward  # back to the class's method
-        for mag in mags:
-            del mag.propose
-        del verifier.chain, verifier.tree  # back to the class's methods
+        for obj, name, earlier in reversed(patched):
+            if earlier is None:
+                delattr(obj, name)  # back to the class's method
+            else:
+                setattr(obj, name, earlier)

@@ -85,3 +85,24 @@ def test_every_compare_method_has_a_label_and_a_factory():
     args = compare.parse_args(["--dry-run"])
     for key, (label, factory) in compare.METHODS.items():
         assert label.format(**vars(args)) and callable(factory), key
+
+
+class Runner:
+    def forward(self, batch):
+        return batch
+
+
+class OldVerifier:  # no `tree`: internals that moved on since bench.common.instrumented was written
+    def chain(self, logits):
+        return logits
+
+
+def test_profile_warns_and_undoes_its_patches_when_the_engine_internals_changed(capsys):
+    import torch
+
+    engine = argparse.Namespace(target=Runner(), drafters=[Runner()], verifier=OldVerifier(), device=torch.device("cpu"))
+    method = compare.EngineMethod(engine, strategy=None)
+    assert compare.profile_methods({"ar": method}, {"ar": "AR"}, [1, 2], 4) == []
+    assert "warning: no profile for AR" in capsys.readouterr().err
+    for obj in (engine.target, engine.drafters[0], engine.verifier):
+        assert not {"forward", "chain", "tree"} & set(vars(obj)), "every patch is undone"
