@@ -133,6 +133,8 @@ def parse_args(argv=None):
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if args.rounds < 1 or args.max_new_tokens < 1:
+        ap.error("--rounds and --max-new-tokens must be at least 1")
     if args.dry_run:
         args.max_new_tokens = min(args.max_new_tokens, 8)
         args.per_category = args.per_category or 1
@@ -179,7 +181,8 @@ def main(argv=None):
         summary = summarize(prompts, encoded, runs, methods, labels)
         harness.write_record(path, {"rounds_done": round_ + 1, "methods": labels, **summary}, args)
 
-    print(f"\n{args.target} <- {args.drafter}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x "
+    models = "tiny random models (dry run)" if args.dry_run else f"{args.target} <- {args.drafter}"
+    print(f"\n{models}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x "
           f"{args.max_new_tokens} new tokens, median of {args.rounds} rounds per prompt")
     print_tables(summary, methods, labels)
     profile = []

@@ -133,9 +133,9 @@ def repeat(fn, repeats: int, warmup: int = 1):
 
 
 def spread(values, fmt: str = ".2f") -> str:
-    """The min-max cell printed beside a median ("-" for a single value)."""
+    """The min-max cell printed beside a median ("-" for a single measurement)."""
     values = [v for v in values if v is not None]
-    if len(values) < 2:
+    if len(set(values)) < 2:
         return "-"
     return f"{min(values):{fmt}}-{max(values):{fmt}}"
 
