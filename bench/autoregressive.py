@@ -1,69 +1,83 @@
-"""Autoregressive tokens/s: csd_engine's native runner against transformers' generate,
-same model, same prompts, same dtype, greedy, batch 1, one run.
+"""Autoregressive tokens/s: csd_engine's native runner against transformers' generate, same
+model, same prompts, same dtype, greedy, batch 1.
 
-    .venv/bin/python bench/autoregressive.py --model smollm2-135m --max-new-tokens 64
+    python bench/autoregressive.py --target smollm2-135m --max-new-tokens 64
+    python bench/autoregressive.py --dry-run          # a tiny random model: proves it runs, in seconds
+
+Each prompt is decoded by both, `--repeats` times, the first prompt after a warm-up run.
+tokens/s: all tokens over the summed median seconds; min-max: the prompts' median tokens/s.
+Text prompts are tokenized as they are (no chat template), chat prompts through the template.
+JSON: bench/results/autoregressive-*.json.
 """
-import argparse
-import time
+import sys
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+if __package__ in (None, ""):  # run as `python bench/autoregressive.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import csd_engine
-from bench.common import load_prompts, print_table, progress, resolve_model, write_json
+import torch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+import csd_engine  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.common import encode, load_prompts, print_table  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=6, help="how many prompts of bench/prompts.json")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    dtype = DTYPES[args.dtype]
-    path = resolve_model(args.model)
-    prompts = [p["prompt"] for p in load_prompts(args.prompts)]
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    engine = csd_engine.Engine(target=path, dtype=dtype, max_batch_size=1, max_seq_len=1024)
+def main(argv=None):
+    ap = harness.parser(__doc__, target="smollm2-135m", dtype="float32", max_new_tokens=64, repeats=1)
+    ap.add_argument("--prompts", type=int, default=6, help="how many prompts of bench/prompts.json, in file order")
+    args = ap.parse_args(argv)
+    harness.start(args)
+    if args.dry_run:
+        args.prompts, args.max_new_tokens = min(args.prompts, 2), min(args.max_new_tokens, 8)
+    dtype = harness.DTYPES[args.dtype]
+    tok = harness.load_tokenizer(args.target, args.dry_run)
+    hf = harness.load_model(args.target, dtype, args.dry_run)
+    # the engine loads its own copy (a tiny model is passed as it is)
+    engine = csd_engine.Engine(target=hf if args.dry_run else harness.resolve_model(args.target), dtype=dtype, max_batch_size=1, max_seq_len=1024, tokenizer=tok)
     params = csd_engine.SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    prompts = [encode(tok, p, chat=False, max_tokens=48 if args.dry_run else None)
+               for p in load_prompts(args.prompts)]
 
     def run_hf(ids):
         x = torch.tensor([ids])
         with torch.inference_mode():
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
-                              min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+                              min_new_tokens=args.max_new_tokens, do_sample=False,
+                              pad_token_id=tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id)
         return out[0, len(ids):].tolist()
 
     def run_engine(ids):
         return engine.generate([ids], params)[0].token_ids
 
-    progress("warm-up")
-    warm = tok(prompts[0])["input_ids"]
-    run_hf(warm), run_engine(warm)
-    totals = {"transformers generate": [0, 0.0], "csd_engine native": [0, 0.0]}
-    same = 0
-    for i, prompt in enumerate(prompts):
-        ids = tok(prompt)["input_ids"]
-        outs = {}
-        for name, fn in (("transformers generate", run_hf), ("csd_engine native", run_engine)):
-            t = time.perf_counter()
-            outs[name] = fn(ids)
-            totals[name][0] += len(outs[name])
-            totals[name][1] += time.perf_counter() - t
+    methods = {"transformers generate": run_hf, "csd_engine native": run_engine}
+    per_prompt, same = [], 0
+    progress = harness.Progress(len(prompts) * len(methods))
+    for i, ids in enumerate(prompts):
+        outs, row = {}, {"prompt_tokens": len(ids)}
+        for name, fn in methods.items():
+            outs[name], timing = harness.repeat(lambda: fn(ids), args.repeats, warmup=int(i == 0))
+            row[name] = {"tokens": len(outs[name]), "seconds": timing.seconds}
+            progress.step(f"{name}: {len(outs[name]) / timing.median:.2f} tokens/s")
         same += outs["transformers generate"] == outs["csd_engine native"]
-        progress(f"prompt {i + 1}/{len(prompts)} done")
-    base = totals["transformers generate"][0] / totals["transformers generate"][1]
-    rows = [{"method": name, "tokens_per_s": n / t, "speedup": (n / t) / base} for name, (n, t) in totals.items()]
-    print(f"\n{args.model}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x {args.max_new_tokens} tokens")
-    print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"), ("speedup", "speedup", ".2f")])
+        per_prompt.append(row)
+
+    rows = []
+    for name in methods:
+        tokens = sum(r[name]["tokens"] for r in per_prompt)
+        seconds = sum(harness.Timing(r[name]["seconds"]).median for r in per_prompt)
+        by_prompt = [r[name]["tokens"] / harness.Timing(r[name]["seconds"]).median for r in per_prompt]
+        rows.append({"method": name, "tokens_per_s": tokens / seconds, "spread": harness.spread(by_prompt)})
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(f"\n{args.target}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+          f"median of {args.repeats}")
+    print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"),
+                       ("spread", "min-max by prompt", "s"), ("speedup", "speedup", ".2f")])
     print(f"outputs identical: {same}/{len(prompts)}")
-    write_json(f"autoregressive-{args.model}-{args.dtype}", {"args": vars(args), "rows": rows,
-                                                              "identical_outputs": same, "prompts": len(prompts)},
-               args.out)
+    path = harness.record_path(f"autoregressive-{Path(args.target).name}-{args.dtype}", args)
+    harness.write_record(path, {"rows": rows, "identical_outputs": same, "prompts": len(prompts),
+                                "per_prompt": per_prompt}, args)
+    harness.finish(path, args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""Shared by the bench scripts: prompts, timing, a short table and a JSON record."""
+"""Shared by the bench scripts: prompts, a short table, timing and the engine instrumentation
+(bench/harness.py has the command line, loading, repeats and the JSON record)."""
 import json
-import os
-import platform
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -11,29 +9,55 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+ALIASES = {"summarisation": "summarization"}  # the spelling of JSON recorded before 2026-11-23
 
 
-def load_prompts(limit: int | None = None, categories: str | None = None) -> list[dict]:
+def load_prompts(limit: int | None = None, categories: str | None = None, per_category: int | None = None) -> list[dict]:
+    """bench/prompts.json's entries ({"category", and "prompt" (text) or "messages" (chat)}),
+    in file order: those of `categories` (comma-separated; default all), at most
+    `per_category` of each, at most `limit` in all."""
     prompts = json.loads((HERE / "prompts.json").read_text())
     if categories:
-        wanted = set(categories.split(","))
+        wanted = {ALIASES.get(c, c) for c in categories.split(",")}
+        unknown = wanted - {p["category"] for p in prompts}
+        if unknown:
+            raise SystemExit(f"no prompts of categories {sorted(unknown)} in bench/prompts.json")
         prompts = [p for p in prompts if p["category"] in wanted]
+    if per_category:
+        kept, seen = [], defaultdict(int)
+        for p in prompts:
+            seen[p["category"]] += 1
+            if seen[p["category"]] <= per_category:
+                kept.append(p)
+        prompts = kept
     return prompts[:limit] if limit else prompts
 
 
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads (torch {torch.__version__})"
+def order_by_category(prompts: list[dict]) -> list[dict]:
+    """Round-robin over categories (first of each, then second of each...), so the first few
+    prompts of a short run cover every kind of text."""
+    by_category = defaultdict(list)
+    for p in prompts:
+        by_category[p["category"]].append(p)
+    rounds = max((len(ps) for ps in by_category.values()), default=0)
+    return [ps[i] for i in range(rounds) for ps in by_category.values() if i < len(ps)]
 
 
-def progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+def encode(tokenizer, prompt: dict, chat: bool = True, max_tokens: int | None = None) -> list[int]:
+    """Token ids of a prompts.json entry: its messages, or its text as one user message, through
+    the chat template (`chat=False`: a text prompt's plain tokens). `max_tokens` keeps the last
+    ones (dry runs: tiny models have short position tables)."""
+    if chat or "messages" in prompt:
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt["prompt"])["input_ids"]
+    return list(ids[-max_tokens:]) if max_tokens else list(ids)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (key, header, format)."""
+    """columns: (key, header, format); a missing or None value prints as "-"."""
     cells = [[h for _, h, _ in columns]] + [[format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns]
                                               for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
@@ -41,21 +65,6 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
         print(" | ".join(c.ljust(w) for c, w in zip(line, widths)))
         if i == 0:
             print("-+-".join("-" * w for w in widths))
-
-
-def write_json(name: str, payload: dict, out_dir: str | None = None) -> Path:
-    out = Path(out_dir or HERE / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    payload = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d %H:%M"), **payload}
-    path.write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {path}")
-    return path
-
-
-def resolve_model(name: str) -> str:
-    from csd_engine.models import zoo
-    return str(zoo.resolve(name)) if zoo.is_zoo_name(name) else name
 
 
 def sync(device: torch.device) -> None:
@@ -98,24 +107,30 @@ def instrumented(engine, stopwatch: Stopwatch):
     """Time, per part, the engine's model forwards (`target`, `drafters`, and `prefill`),
     chain verifications (`verify` for reviews of drafts, `sample` for a drafter drawing its own
     next token), tree verifications (`verify`) and MaG's proposals (`mag`). What a step spends
-    outside them is the engine's own Python and tensor bookkeeping."""
+    outside them is the engine's own Python and tensor bookkeeping. The wrappers are instance
+    attributes over the classes' methods; whatever was patched is undone on the way out, also
+    when the engine's internals no longer match and patching fails half way."""
     from csd_engine.drafters.mag import MaG
-    runners = [(engine.target, "target")] + [(d, "drafters") for d in engine.drafters if not isinstance(d, MaG)]
-    for runner, part in runners:
-        runner.forward = stopwatch.wrap(runner.forward, lambda batch, part=part: part if batch.need_logits else "prefill")
-    mags = [d for d in engine.drafters if isinstance(d, MaG)]
-    for mag in mags:
-        mag.propose = stopwatch.wrap(mag.propose, lambda *a, **kw: "mag")
-    verifier = engine.verifier
-    chain, tree = verifier.chain, verifier.tree
-    assert "chain" not in vars(verifier), "instrumented() does not nest"
-    verifier.chain = stopwatch.wrap(chain, lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
-    verifier.tree = stopwatch.wrap(tree, lambda *a, **kw: "verify")
+    patched = []  # (object, attribute, its own earlier instance value or None)
+
+    def patch(obj, name, part_of):
+        earlier = vars(obj).get(name)
+        setattr(obj, name, stopwatch.wrap(getattr(obj, name), part_of))
+        patched.append((obj, name, earlier))
+
+    assert "chain" not in vars(engine.verifier), "instrumented() does not nest"
     try:
+        for runner in [engine.target] + [d for d in engine.drafters if not isinstance(d, MaG)]:
+            part = "target" if runner is engine.target else "drafters"
+            patch(runner, "forward", lambda batch, part=part: part if batch.need_logits else "prefill")
+        for mag in (d for d in engine.drafters if isinstance(d, MaG)):
+            patch(mag, "propose", lambda *a, **kw: "mag")
+        patch(engine.verifier, "chain", lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
+        patch(engine.verifier, "tree", lambda *a, **kw: "verify")
         yield
     finally:
-        for runner, _ in runners:
-            del runner.forward  # back to the class's method
-        for mag in mags:
-            del mag.propose
-        del verifier.chain, verifier.tree  # back to the class's methods
+        for obj, name, earlier in reversed(patched):
+            if earlier is None:
+                delattr(obj, name)  # back to the class's method
+            else:
+                setattr(obj, name, earlier)

@@ -1,189 +1,309 @@
-"""Decoding methods side by side on one target/drafter pair, greedy, same prompts, one run.
+"""Decoding methods side by side on one target/drafter pair: greedy, batch 1, the same
+chat-templated prompts of every category (bench/prompts.json), methods interleaved.
 
-    .venv/bin/python bench/compare.py                      # Qwen2.5-Coder 1.5B <- 0.5B, bf16
-    .venv/bin/python bench/compare.py --prompts 5 --max-new-tokens 64 --methods hf,ar,spec-mag,cascade-mag
+    python bench/compare.py                                  # Qwen2.5-Coder 1.5B <- 0.5B, bf16, every prompt
+    python bench/compare.py --per-category 1 --methods hf,hf-assisted,ar,cascade
+    python bench/compare.py --prompts 5 --max-new-tokens 64 --rounds 1 --profile   # the README's 2026-11-22 runs
+    python bench/compare.py --dry-run                        # tiny random models: proves it runs, in seconds
 
-Prints a table (tokens/s, speedup over transformers' plain generate, mean accepted tokens,
-whether the output equals plain greedy decoding) and writes bench/results/compare-*.json.
+Each round decodes every prompt with every method, in an order that rotates from one prompt
+(and round) to the next, so a slow spell of the machine falls on all methods alike; per prompt
+the median time over the rounds is kept. Tables, overall and per category: tokens/s (tokens
+over seconds, summed over the prompts), the min-max of the rounds' tokens/s, the speedup over
+transformers' plain `generate`, mean accepted tokens per target forward, and how many outputs
+equal transformers' greedy output. The JSON (rewritten after every round; per prompt, per
+category, overall, acceptance by draft position) and its pictures go to bench/results/.
+To add a method, add a line to METHODS.
 """
-import argparse
+import json
+import statistics
+import sys
 import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+if __package__ in (None, ""):  # run as `python bench/compare.py`: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import csd_engine
-from bench.common import Stopwatch, instrumented, load_prompts, print_table, progress, resolve_model, write_json
-from csd_engine import Autoregressive, Cascade, Pearl, SamplingParams, Speculative, Staged
+import torch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ("hf", "hf-assisted", "hf-lookup", "ar", "spec-model", "spec-mag", "cascade", "cascade-tree", "cascade-mag",
-           "cascade-auto", "staged", "pearl")
+import csd_engine  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.common import encode, load_prompts, order_by_category, print_table  # noqa: E402
+from csd_engine import Autoregressive, Cascade, Pearl, SamplingParams, Speculative, Staged  # noqa: E402
+
+DRY_RUN_PROMPT_TOKENS = 48  # the tiny models' prompts keep their last 48 characters
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    ap.add_argument("--prompts", type=int, default=5, help="prompts from bench/prompts.json (one per category first)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--k", type=int, default=4, help="draft length of Speculative with the 0.5B drafter")
+class Setup:
+    """The models and engines the methods share, each engine built on first use."""
+
+    def __init__(self, args, tokenizer, target, drafter, max_seq_len: int):
+        self.args, self.tokenizer, self.target, self.drafter = args, tokenizer, target, drafter
+        self.max_seq_len = max_seq_len
+
+    def _engine(self, target, drafters) -> csd_engine.Engine:
+        return csd_engine.Engine(target, drafters=drafters, dtype=harness.DTYPES[self.args.dtype], max_batch_size=1,
+                                 max_seq_len=self.max_seq_len, tokenizer=self.tokenizer)
+
+    @cached_property
+    def engine(self) -> csd_engine.Engine:
+        """Target <- [drafter, MaG]; the native runners share the transformers models' weights."""
+        return self._engine(self.target, [self.drafter, "mag"])
+
+    @cached_property
+    def engine_mag(self) -> csd_engine.Engine:
+        """The same target runner <- [MaG]."""
+        return self._engine(self.engine.target, ["mag"])
+
+
+@dataclass
+class Transformers:
+    """transformers' greedy `generate` on the target, with extra generate arguments."""
+    setup: Setup
+    extra: dict = field(default_factory=dict)
+
+    def __call__(self, ids: list[int], max_new_tokens: int):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = self.setup.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                             do_sample=False, eos_token_id=None,
+                                             pad_token_id=self.setup.tokenizer.pad_token_id, **self.extra)
+        return out[0, len(ids):].tolist(), None
+
+
+@dataclass
+class EngineMethod:
+    """csd_engine's generate with one strategy."""
+    engine: csd_engine.Engine
+    strategy: object
+
+    def __call__(self, ids: list[int], max_new_tokens: int):
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        result = self.engine.generate([ids], params, strategy=self.strategy)[0]
+        return result.token_ids, result.metrics
+
+
+# key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
+METHODS = {
+    "hf": ("transformers generate", lambda s, a: Transformers(s)),
+    "hf-assisted": ("transformers assisted (0.5B)", lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
+    "hf-lookup": ("transformers prompt lookup", lambda s, a: Transformers(s, dict(prompt_lookup_num_tokens=10))),
+    "ar": ("csd_engine Autoregressive", lambda s, a: EngineMethod(s.engine, Autoregressive())),
+    "spec-model": ("csd_engine Speculative(0.5B, k={k})",
+                   lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0))),
+    "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})",
+                 lambda s, a: EngineMethod(s.engine, Speculative(k=a.k_mag, drafter=1))),
+    "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})",
+                lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
+                                                            mag_tokens=4))),
+    "cascade-tree": ("csd_engine Cascade(same, tree={tree})",
+                     lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
+                                                                 mag_tokens=4, tree=tuple(json.loads(a.tree))))),
+    "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
+                    lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
+    "cascade-auto": ("csd_engine Cascade.auto()", lambda s, a: EngineMethod(s.engine, Cascade.auto())),
+    "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
+               lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
+    "pearl": ("csd_engine Pearl(0.5B, gamma={k})", lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0))),
+}
+
+
+def parse_args(argv=None):
+    ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
+                        max_new_tokens=128, rounds=2)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated keys of METHODS (default all)")
+    ap.add_argument("--categories", default=None, help="comma-separated prompt categories (default all)")
+    ap.add_argument("--per-category", type=int, default=None, help="at most this many prompts of each category")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="at most this many prompts in all, taken round-robin over the categories")
+    ap.add_argument("--k", type=int, default=4, help="draft length of Speculative and Pearl with the 0.5B drafter")
     ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG")
     ap.add_argument("--k-matrix", default="[[2,4],[0,4]]",
-                    help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on this CPU)")
+                    help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on the 2-core CPU)")
     ap.add_argument("--tree", default="[3,2]", help="candidates per depth of cascade-tree's top-level tree")
     ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true",
-                    help="after the timed runs, one instrumented run per csd_engine method on the first prompt: "
-                         "time per target step in the target, drafters, verification, MaG and the rest")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    import json
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    methods = args.methods.split(",")
-    unknown = set(methods) - set(METHODS)
+                    help="after the timed rounds, one instrumented run per csd_engine method on the first prompt: "
+                         "time per target step in the target, drafters, verification, MaG and the rest (skipped "
+                         "with a warning if the engine's internals no longer fit bench.common.instrumented)")
+    args = ap.parse_args(argv)
+    unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    dtype = DTYPES[args.dtype]
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if args.rounds < 1 or args.max_new_tokens < 1:
+        ap.error("--rounds and --max-new-tokens must be at least 1")
+    if args.dry_run:
+        args.max_new_tokens = min(args.max_new_tokens, 8)
+        args.per_category = args.per_category or 1
+    return args
 
-    progress(f"loading {args.target} and {args.drafter} ({args.dtype})")
-    tpath, dpath = resolve_model(args.target), resolve_model(args.drafter)
-    tok = AutoTokenizer.from_pretrained(tpath)
-    target = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype).eval()
-    drafter = AutoModelForCausalLM.from_pretrained(dpath, dtype=dtype).eval()
-    # The engine's native runners share these weight tensors (same dtype and device: no copy).
-    engine = csd_engine.Engine(target, drafters=[drafter, "mag"], dtype=dtype, max_batch_size=1,
-                               max_seq_len=1024, tokenizer=tok)
-    engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1,
-                                   max_seq_len=1024, tokenizer=tok)
-    strategies = {
-        "ar": (engine, Autoregressive()),
-        "spec-model": (engine, Speculative(k=args.k, drafter=0)),
-        "spec-mag": (engine, Speculative(k=args.k_mag, drafter=1)),
-        "cascade": (engine, Cascade(k_matrix=json.loads(args.k_matrix), lenience=args.lenience, mag_tokens=4)),
-        "cascade-tree": (engine, Cascade(k_matrix=json.loads(args.k_matrix), lenience=args.lenience, mag_tokens=4,
-                                         tree=tuple(json.loads(args.tree)))),
-        "cascade-mag": (engine_mag, Cascade(k_matrix=json.loads(args.k_mag_matrix), mag_tokens=8)),
-        "cascade-auto": (engine, Cascade.auto()),
-        "staged": (engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2)),
-        "pearl": (engine, Pearl(gamma=args.k, drafter=0)),
-    }
-    names = {"hf": "transformers generate", "hf-assisted": "transformers assisted (0.5B)",
-             "hf-lookup": "transformers prompt lookup", "ar": "csd_engine Autoregressive",
-             "spec-model": f"csd_engine Speculative(0.5B, k={args.k})",
-             "spec-mag": f"csd_engine Speculative(MaG, k={args.k_mag})",
-             "cascade": f"csd_engine Cascade(0.5B+MaG, K={args.k_matrix}, l={args.lenience:g})",
-             "cascade-tree": f"csd_engine Cascade(same, tree={args.tree})",
-             "cascade-mag": f"csd_engine Cascade(MaG, K={args.k_mag_matrix})",
-             "cascade-auto": "csd_engine Cascade.auto()",
-             "staged": "csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)", "pearl": f"csd_engine Pearl(0.5B, gamma={args.k})"}
 
-    def hf_run(ids, n=args.max_new_tokens, **extra):
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                  do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id, **extra)
-        return out[0, len(ids):].tolist(), None
+def main(argv=None):
+    args = parse_args(argv)
+    harness.start(args)
+    methods = args.methods.split(",")
+    labels = {key: METHODS[key][0].format(**vars(args)) for key in methods}
+    prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category))
+    prompts = prompts[:args.prompts] if args.prompts else prompts
 
-    def engine_run(name, ids, n=args.max_new_tokens):
-        eng, strategy = strategies[name]
-        r = eng.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True), strategy=strategy)[0]
-        return r.token_ids, r.metrics
+    tokenizer, target, drafter = harness.load_pair(args)
+    clip = DRY_RUN_PROMPT_TOKENS if args.dry_run else None
+    encoded = [encode(tokenizer, p, max_tokens=clip) for p in prompts]
+    setup = Setup(args, tokenizer, target, drafter, max_seq_len=max(map(len, encoded)) + args.max_new_tokens + 64)
+    runners = {key: METHODS[key][1](setup, args) for key in methods}
 
-    runners = {"hf": lambda ids, **kw: hf_run(ids, **kw),
-               "hf-assisted": lambda ids, **kw: hf_run(ids, assistant_model=drafter, **kw),
-               "hf-lookup": lambda ids, **kw: hf_run(ids, prompt_lookup_num_tokens=10, **kw)}
-    for name in strategies:
-        runners[name] = (lambda key: lambda ids, **kw: engine_run(key, ids, **kw))(name)
+    harness.progress("warm-up (6 tokens per method)")
+    for key in methods:
+        runners[key](encoded[0][:32], 6)
 
-    prompts = order_by_category(load_prompts())[:args.prompts]
-    encoded = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for p in prompts]
-    progress("warm-up (a few tokens per method)")
-    for name in methods:
-        runners[name](encoded[0][:32], n=6)
+    path = harness.record_path(f"compare-{Path(args.target).name}-{args.dtype}", args)
+    runs = [{key: {"seconds": []} for key in methods} for _ in prompts]  # per prompt, per method
+    progress = harness.Progress(args.rounds * len(prompts) * len(methods))
+    for round_ in range(args.rounds):
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            shift = (round_ * len(prompts) + i) % len(methods)
+            for key in methods[shift:] + methods[:shift]:
+                begin = time.perf_counter()
+                tokens, metrics = runners[key](ids, args.max_new_tokens)
+                seconds = time.perf_counter() - begin
+                run = runs[i][key]
+                run["seconds"].append(seconds)
+                if round_ == 0:
+                    run.update(tokens=len(tokens), output=tokens, **metrics_of(metrics))
+                progress.step(f"round {round_ + 1}, prompt {i + 1}/{len(prompts)} [{prompt['category']}] "
+                              f"{labels[key]}: {len(tokens) / seconds:.2f} tokens/s")
+            if round_ == 0:
+                runs[i]["reference"] = (runs[i]["hf"]["output"] if "hf" in runs[i]
+                                        else Transformers(setup)(ids, args.max_new_tokens)[0])
+        summary = summarize(prompts, encoded, runs, methods, labels)
+        harness.write_record(path, {"rounds_done": round_ + 1, "methods": labels, **summary}, args)
 
-    stats = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "forwards": 0} for name in methods}
+    models = "tiny random models (dry run)" if args.dry_run else f"{args.target} <- {args.drafter}"
+    print(f"\n{models}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} new tokens, median of {args.rounds} rounds per prompt")
+    print_tables(summary, methods, labels)
+    profile = []
+    if args.profile:
+        profile = profile_methods({key: runners[key] for key in methods if isinstance(runners[key], EngineMethod)},
+                                  labels, encoded[0], args.max_new_tokens)
+    harness.write_record(path, {"rounds_done": args.rounds, "methods": labels, **summary, "profile": profile}, args)
+    harness.finish(path, args)
+
+
+def metrics_of(metrics) -> dict:
+    """What the JSON keeps of a csd_engine result's metrics (first round)."""
+    if metrics is None:
+        return {}
+    return {"target_forwards": metrics.target_forwards,
+            "acceptance_by_position": list(getattr(metrics, "acceptance_by_position", None) or [])}
+
+
+def summarize(prompts, encoded, runs, methods, labels) -> dict:
+    """Per prompt, per category and overall: tokens, seconds (per prompt the median over the
+    rounds), tokens/s, the min and max of the rounds' tokens/s, speedup over "hf", mean accepted
+    tokens, outputs equal to the reference, acceptance by draft position (mean over prompts)."""
     per_prompt = []
-    for i, (p, ids) in enumerate(zip(prompts, encoded)):
-        reference = None
-        row = {"category": p["category"], "prompt_tokens": len(ids)}
-        for name in methods:
-            t0 = time.perf_counter()
-            out, metrics = runners[name](ids)
-            dt = time.perf_counter() - t0
-            if reference is None:
-                reference = out if name == "hf" else hf_run(ids)[0]
-            s = stats[name]
-            s["tokens"] += len(out)
-            s["seconds"] += dt
-            s["identical"] += out == reference
-            s["forwards"] += metrics.target_forwards if metrics else len(out)
-            row[name] = {"tokens_per_s": len(out) / dt, "identical": out == reference,
-                         "mean_accepted": len(out) / metrics.target_forwards if metrics else None}
-            progress(f"prompt {i + 1}/{len(prompts)} [{p['category']}] {names[name]}: {len(out) / dt:.2f} tok/s"
-                     + (f", MAT {len(out) / metrics.target_forwards:.2f}" if metrics else ""))
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        row = {"index": i, "category": prompt["category"], "prompt_tokens": len(ids)}
+        for key in methods:
+            run = runs[i][key]
+            row[key] = {"tokens": run["tokens"], "seconds": run["seconds"],
+                        "tokens_per_s": run["tokens"] / statistics.median(run["seconds"]),
+                        "identical": run["output"] == runs[i]["reference"],
+                        "mean_accepted": (run["tokens"] / run["target_forwards"]
+                                          if run.get("target_forwards") else None),
+                        "acceptance_by_position": run.get("acceptance_by_position")}
         per_prompt.append(row)
+    categories = list(dict.fromkeys(p["category"] for p in prompts))
+    per_category = {c: aggregate([r for r in per_prompt if r["category"] == c], runs, methods) for c in categories}
+    overall = aggregate(per_prompt, runs, methods)
+    rows = [{"method": labels[key], "key": key, **{k: v for k, v in overall[key].items()
+                                                    if k != "acceptance_by_position"}} for key in methods]
+    return {"prompts": [{"category": p["category"], "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
+            "rows": rows, "per_category": per_category, "overall": overall, "per_prompt": per_prompt}
 
-    base = stats["hf"]["tokens"] / stats["hf"]["seconds"] if "hf" in stats else None
-    rows = []
-    for name in methods:
-        s = stats[name]
-        tps = s["tokens"] / s["seconds"]
-        rows.append({"method": names[name], "key": name, "tokens_per_s": tps,
-                     "speedup": tps / base if base else None,
-                     "mean_accepted": s["tokens"] / s["forwards"] if name in strategies else None,
-                     "identical": f"{s['identical']}/{len(prompts)}"})
-    print(f"\n{args.target} <- {args.drafter}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} new tokens")
-    print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"),
+
+def aggregate(rows: list[dict], runs, methods) -> dict:
+    out = {}
+    for key in methods:
+        cells = [r[key] for r in rows]
+        tokens = sum(c["tokens"] for c in cells)
+        seconds = sum(statistics.median(c["seconds"]) for c in cells)
+        rounds = min(len(c["seconds"]) for c in cells)
+        by_round = [tokens / sum(c["seconds"][r] for c in cells) for r in range(rounds)]
+        forwards = [runs[r["index"]][key].get("target_forwards") for r in rows]
+        positions = [c["acceptance_by_position"] for c in cells if c["acceptance_by_position"]]
+        out[key] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                    "min_tokens_per_s": min(by_round), "max_tokens_per_s": max(by_round),
+                    "mean_accepted": tokens / sum(forwards) if all(forwards) else None,
+                    "identical": f"{sum(c['identical'] for c in cells)}/{len(cells)}",
+                    "acceptance_by_position": mean_by_position(positions)}
+    base = out.get("hf", {}).get("tokens_per_s")
+    for cell in out.values():
+        cell["speedup"] = cell["tokens_per_s"] / base if base else None
+    return out
+
+
+def mean_by_position(lists: list[list[float]]) -> list[float]:
+    """Position-wise mean over the lists that reach each position."""
+    width = max(map(len, lists), default=0)
+    return [statistics.fmean(v[p] for v in lists if len(v) > p) for p in range(width)]
+
+
+def print_tables(summary: dict, methods: list[str], labels: dict) -> None:
+    rows = [{**row, "spread": harness.spread([row["min_tokens_per_s"], row["max_tokens_per_s"]])}
+            for row in summary["rows"]]
+    print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"), ("spread", "min-max", "s"),
                        ("speedup", "vs transformers", ".2f"), ("mean_accepted", "mean accepted", ".2f"),
                        ("identical", "= greedy", "s")])
-    profile = profile_methods([m for m in methods if m in strategies], strategies, names, encoded[0],
-                              args.max_new_tokens) if args.profile else []
-    write_json(f"compare-{args.target}-{args.dtype}", {"args": vars(args), "rows": rows, "per_prompt": per_prompt,
-                                                         "profile": profile}, args.out)
+    categories = summary["per_category"]
+    print("\nper category: tokens/s (speedup over transformers generate)")
+    matrix = []
+    for key in methods:
+        row = {"method": labels[key]}
+        for category, cells in categories.items():
+            cell = cells[key]
+            row[category] = f"{cell['tokens_per_s']:.2f}" + (f" ({cell['speedup']:.2f}x)" if cell["speedup"] else "")
+        matrix.append(row)
+    counts = {c: sum(p["category"] == c for p in summary["prompts"]) for c in categories}
+    print_table(matrix, [("method", "method", "s")] + [(c, f"{c} ({counts[c]})", "s") for c in categories])
 
 
-def profile_methods(methods, strategies, names, ids, max_new_tokens) -> list[dict]:
-    """Milliseconds per target step spent in each part (bench.common.instrumented), first prompt."""
+def profile_methods(runners: dict, labels: dict, ids: list[int], max_new_tokens: int) -> list[dict]:
+    """Milliseconds per target step spent in each part (bench.common.instrumented), first prompt.
+    The instrumentation patches engine internals; where they have changed, a warning replaces the row."""
+    from bench.common import Stopwatch, instrumented
     rows = []
-    for name in methods:
-        engine, strategy = strategies[name]
-        stopwatch = Stopwatch(engine.device)
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        with instrumented(engine, stopwatch):
-            start = time.perf_counter()
-            result = engine.generate([ids], params, strategy=strategy)[0]
-            seconds = time.perf_counter() - start
-        steps = result.metrics.target_forwards
+    for key, method in runners.items():
+        engine = method.engine
+        try:
+            stopwatch = Stopwatch(engine.device)
+            with instrumented(engine, stopwatch):
+                begin = time.perf_counter()
+                _, metrics = method(ids, max_new_tokens)
+                seconds = time.perf_counter() - begin
+        except Exception as exc:  # noqa: BLE001  the profile is optional; the timed results stand
+            harness.progress(f"warning: no profile for {labels[key]} ({type(exc).__name__}: {exc})")
+            continue
+        steps = metrics.target_forwards
         parts = {part: s / steps * 1e3 for part, s in stopwatch.seconds.items()}
-        row = dict(method=names[name], ms_per_step=seconds / steps * 1e3, mean_accepted=result.metrics.mean_accepted_tokens,
+        row = dict(method=labels[key], ms_per_step=seconds / steps * 1e3, mean_accepted=metrics.mean_accepted_tokens,
                    **{f"{part}_ms": parts.get(part, 0.0)
                       for part in ("prefill", "target", "drafters", "verify", "sample", "mag")})
         row["other_ms"] = row["ms_per_step"] - sum(parts.values())
         rows.append(row)
-        progress(f"profile {names[name]}: {row['ms_per_step']:.0f} ms per target step")
-    print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps)")
-    print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ".0f"), ("mean_accepted", "MAT", ".2f"),
-                       ("prefill_ms", "prefill", ".0f"), ("target_ms", "target", ".0f"), ("drafters_ms", "drafters", ".0f"),
-                       ("verify_ms", "verify", ".1f"), ("sample_ms", "sample", ".1f"), ("mag_ms", "MaG", ".1f"),
-                       ("other_ms", "other", ".0f")])
+        harness.progress(f"profile {labels[key]}: {row['ms_per_step']:.0f} ms per target step")
+    if rows:
+        print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps)")
+        print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ".0f"),
+                           ("mean_accepted", "MAT", ".2f"), ("prefill_ms", "prefill", ".0f"),
+                           ("target_ms", "target", ".0f"), ("drafters_ms", "drafters", ".0f"),
+                           ("verify_ms", "verify", ".1f"), ("sample_ms", "sample", ".1f"), ("mag_ms", "MaG", ".1f"),
+                           ("other_ms", "other", ".0f")])
     return rows
-
-
-def order_by_category(prompts):
-    """One prompt of each category first, so a short run still covers every kind of text."""
-    seen, first, rest = set(), [], []
-    for p in prompts:
-        (rest if p["category"] in seen else first).append(p)
-        seen.add(p["category"])
-    return first + rest
 
 
 if __name__ == "__main__":

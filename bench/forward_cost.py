@@ -2,89 +2,110 @@
 decides whether speculative decoding can pay on a machine (a chain of k drafts needs the
 (k+1)-token forward to cost little more than the 1-token one).
 
-    .venv/bin/python -m bench.forward_cost                                   # Qwen 1.5B and 0.5B, fp32 + bf16
-    .venv/bin/python -m bench.forward_cost --models smollm2-135m --dtypes float32
+    python bench/forward_cost.py                                   # Qwen 1.5B and 0.5B, fp32 + bf16
+    python bench/forward_cost.py --models smollm2-135m --dtypes float32
+    python bench/forward_cost.py --dry-run                         # a tiny random model, seconds
 
-For each (model, dtype, n) it times the native runner's forward of n tokens after a
-`--context`-token prefix (median of `--repeats`, after one warm-up) and transformers'
-forward of the same tokens with its dynamic cache, for comparison. Prints a table and writes
-bench/results/forward-cost.json.
+For each (model, dtype, n) every path of PATHS (csd_engine's native runner; transformers'
+forward with its dynamic cache, for comparison) times a forward of n tokens after a
+`--context`-token prefix: median and min-max of `--repeats` calls after one warm-up. A new
+path (a quantized or early-exit drafter, say) is one more entry in PATHS. Prints a table and
+writes bench/results/forward-cost-*.json.
 """
-import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+if __package__ in (None, ""):  # run as `python bench/forward_cost.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, progress, resolve_model, write_json
-from csd_engine.models.llama import LlamaRunner
-from csd_engine.models.runner import ForwardBatch
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from bench import harness  # noqa: E402
+from bench.common import print_table  # noqa: E402
+from csd_engine.models.llama import LlamaRunner  # noqa: E402
+from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b")
+def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int):
+    """csd_engine's native runner: static cache, rolled back to the prefix by a length update."""
+    context = prefix.shape[1]
+    runner = LlamaRunner(model, "cpu", dtype)
+    runner.allocate(1, context + max_n + 8)
+    runner(ForwardBatch.chain(prefix, runner.cache.lengths, context, need_logits=False))
+
+    def forward(ids):
+        runner.cache.lengths.fill_(context)
+        return runner(ForwardBatch.chain(ids, runner.cache.lengths, context + ids.shape[1]))
+    return forward
+
+
+def transformers_dynamic(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int):
+    """transformers' own forward with its dynamic cache, cropped back to the prefix after each call."""
+    context, cache = prefix.shape[1], DynamicCache()
+    with torch.inference_mode():
+        model(prefix, past_key_values=cache, use_cache=True)
+
+    def forward(ids):
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+        cache.crop(context)
+    return forward
+
+
+# key -> (column label, builder(model, dtype, prefix, max_n) -> forward(ids)); each row gets
+# KEY_ms (median), KEY_min_ms, KEY_max_ms and KEY_vs_1 (median / the n = 1 median)
+PATHS = {
+    "native": ("native", native),
+    "hf": ("transformers", transformers_dynamic),
+}
+
+
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=5)
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b", help="zoo names or folders")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--ns", default="1,2,3,5,9,17")
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    ap.add_argument("--ns", default="1,2,3,5,9,17", help="new tokens per forward")
+    ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    args = ap.parse_args(argv)
+    harness.start(args)
+    if args.dry_run:
+        args.models, args.ns, args.context, args.repeats = "tiny", "1,3", 16, 1
     ns = [int(n) for n in args.ns.split(",")]
     rows = []
     for name in args.models.split(","):
         for dtype_name in args.dtypes.split(","):
-            dtype = DTYPES[dtype_name]
-            progress(f"loading {name} ({dtype_name})")
-            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).eval()
-            runner = LlamaRunner(model, "cpu", dtype)
-            runner.allocate(1, args.context + max(ns) + 8)
-            prefix = torch.randint(0, runner.vocab_size, (1, args.context))
-            runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))
-            with torch.inference_mode():
-                hf_cache = DynamicCache()
-                model(prefix, past_key_values=hf_cache, use_cache=True)
-            base = {}
+            dtype = harness.DTYPES[dtype_name]
+            harness.progress(f"loading {name} ({dtype_name})")
+            model = harness.load_model(name, dtype, args.dry_run)
+            vocab = model.config.vocab_size
+            prefix = torch.randint(0, vocab, (1, args.context))
+            forwards = {key: build(model, dtype, prefix, max(ns)) for key, (_, build) in PATHS.items()}
+            first = {}
             for n in ns:
-                ids = torch.randint(0, runner.vocab_size, (1, n))
-
-                def native():
-                    runner.cache.lengths.fill_(args.context)
-                    return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + n))
-
-                def hf():
-                    with torch.inference_mode():
-                        model(ids, past_key_values=hf_cache, use_cache=True)
-                    hf_cache.crop(args.context)
-
-                t_native, t_hf = median_seconds(native, args.repeats), median_seconds(hf, args.repeats)
-                base.setdefault("native", t_native)
-                base.setdefault("hf", t_hf)
-                rows.append(dict(model=name, dtype=dtype_name, n=n, native_ms=t_native * 1e3,
-                                 native_vs_1=t_native / base["native"], hf_ms=t_hf * 1e3, hf_vs_1=t_hf / base["hf"]))
-                progress(f"{name} {dtype_name} n={n}: native {t_native * 1e3:.0f} ms, transformers {t_hf * 1e3:.0f} ms")
-            del model, runner
+                ids = torch.randint(0, vocab, (1, n))
+                row = dict(model=name, dtype=dtype_name, n=n)
+                for key, forward in forwards.items():
+                    _, timing = harness.repeat(lambda: forward(ids), args.repeats)
+                    first.setdefault(key, timing.median)
+                    row.update({f"{key}_ms": timing.median * 1e3, f"{key}_min_ms": timing.min * 1e3,
+                                f"{key}_max_ms": timing.max * 1e3, f"{key}_vs_1": timing.median / first[key]})
+                rows.append(row)
+                harness.progress(f"{name} {dtype_name} n={n}: " + ", ".join(
+                    f"{label} {row[f'{key}_ms']:.0f} ms" for key, (label, _) in PATHS.items()))
+            del model, forwards
+    for row in rows:
+        for key in PATHS:
+            row[f"{key}_spread"] = f"{row[f'{key}_min_ms']:.0f}-{row[f'{key}_max_ms']:.0f}"
     print(f"\nforward of n new tokens after a {args.context}-token prefix, batch 1 (median of {args.repeats})")
-    print_table(rows, [("model", "model", "s"), ("dtype", "dtype", "s"), ("n", "n", "d"),
-                       ("native_ms", "native ms", ".0f"), ("native_vs_1", "x n=1", ".2f"),
-                       ("hf_ms", "transformers ms", ".0f"), ("hf_vs_1", "x n=1", ".2f")])
-    write_json("forward-cost", {"args": vars(args), "rows": rows}, args.out)
+    columns = [("model", "model", "s"), ("dtype", "dtype", "s"), ("n", "n", "d")]
+    for key, (label, _) in PATHS.items():
+        columns += [(f"{key}_ms", f"{label} ms", ".0f"), (f"{key}_spread", "min-max", "s"),
+                    (f"{key}_vs_1", "x n=1", ".2f")]
+    print_table(rows, columns)
+    path = harness.record_path("forward-cost", args)
+    harness.write_record(path, {"paths": {key: label for key, (label, _) in PATHS.items()}, "rows": rows}, args)
+    harness.finish(path, args)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,16 @@
 Run on the device (from the repository root):
 
     CSD_NO_EXTENSION=1 python3 -m pip install -q --no-build-isolation --no-deps -e .
-    PYTHONUNBUFFERED=1 python3 -m bench.gpu --out $OUT 2>&1 | tee $OUT/gpu.log
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT 2>&1 | tee $OUT/gpu.log
 
 and here, as a smoke test with tiny shapes on the CPU (Triton interpreter):
 
-    .venv/bin/python -m bench.gpu --dry-run
+    python bench/gpu.py --dry-run
 
 Every section catches its own failure (printed, recorded) so the others still run, and
-<out>/gpu.json (gpu-dry-run.json) is rewritten after each section.
+<out>/gpu-YYYYmmdd-HHMMSS.json (gpu-dry-run-...) is rewritten after each section; its
+step-split picture is drawn beside it at the end (bench/plot.py).
 """
-import argparse
 import os
 import sys
 import time
@@ -36,18 +36,21 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+if __package__ in (None, ""):  # run as `python bench/gpu.py`: make the `bench` package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--dry-run" in sys.argv:  # Triton reads this when the kernels are defined: before importing them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import csd_engine  # noqa: E402
-from bench.common import Stopwatch, instrumented, print_table, progress, sync, wall_s, write_json  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.common import Stopwatch, instrumented, print_table, sync, wall_s  # noqa: E402
+from bench.harness import progress  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.kernels.attention import cache_attention  # noqa: E402
 from csd_engine.kernels.verify import verify  # noqa: E402
@@ -99,10 +102,7 @@ def time_ms(fn, device: torch.device) -> float:
     every call, so bandwidths are DRAM bandwidths); on the CPU (dry run) two plain calls."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn(), fn()
-    return (time.perf_counter() - start) / 2 * 1e3
+    return harness.repeat(fn, 2)[1].median * 1e3
 
 
 
@@ -432,8 +432,8 @@ class Report:
     """Sections run in order; each failure is printed and recorded, and the JSON is rewritten
     after every section so a run cut short still leaves its results."""
 
-    def __init__(self, name: str, out_dir: str | None, header: dict):
-        self.name, self.out_dir = name, out_dir
+    def __init__(self, args, header: dict):
+        self.args, self.path = args, harness.record_path("gpu", args)
         self.payload = {**header, "sections": {}}
 
     def run(self, section: str, fn):
@@ -445,14 +445,8 @@ class Report:
             result = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"\n{section}: FAILED ({result['error']})")
         self.payload["sections"][section] = result
-        write_json(self.name, self.payload, self.out_dir)
+        harness.write_record(self.path, self.payload, self.args)
         return result
-
-
-def versions(device: torch.device) -> dict:
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def print_section(title: str, result, columns) -> None:
@@ -466,10 +460,8 @@ def print_section(title: str, result, columns) -> None:
 SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "pearl", "transformers_compiled")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
-    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+def main(argv=None):
+    ap = harness.parser(__doc__)  # --dry-run: tiny shapes on the CPU (Triton interpreter)
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
     ap.add_argument("--fused", action="store_true",
@@ -477,7 +469,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    harness.start(args)
     wanted = set(args.sections.split(","))
     if wanted - set(SECTIONS):
         raise SystemExit(f"unknown sections {sorted(wanted - set(SECTIONS))}; allowed: {', '.join(SECTIONS)}")
@@ -486,12 +479,15 @@ def main():
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
     sizes = DRY_RUN if args.dry_run else Sizes()
-    header = {"versions": versions(device), "args": vars(args), "sizes": asdict(sizes),
-              "fused_kernels": args.fused and device.type == "cuda"}
-    print(" ".join(f"{k}={v}" for k, v in header["versions"].items()))
-    report = Report("gpu-dry-run" if args.dry_run else "gpu", args.out, header)
-    torch.manual_seed(0)
+    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+              "sizes": asdict(sizes), "fused_kernels": args.fused and device.type == "cuda"}
+    print(f"device={header['device']} " + " ".join(f"{k}={v}" for k, v in harness.versions().items()))
+    report = Report(args, header)
+    run_sections(args, wanted, sizes, device, report, start)
+    harness.finish(report.path, args)
 
+
+def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: Report, start: float) -> None:
     copy = report.run("copy_bandwidth", lambda: copy_bandwidth(sizes, device))
     copy_gb_per_s = copy.get("gb_per_s", float("nan"))
     print(f"\ncopy bandwidth: {copy_gb_per_s:.0f} GB/s (bytes read + written per second, {sizes.copy_bytes >> 20} MiB)")

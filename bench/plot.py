@@ -1,0 +1,220 @@
+"""Pictures of a bench JSON, drawn beside it as PNGs (the bench scripts call this after writing
+their JSON; run it alone to redraw recorded ones, e.g. the README's):
+
+    python bench/plot.py bench/measured/compare-qwen-bf16-cpu-2026-11-22-run2.json
+    python bench/plot.py bench/results/*.json
+
+* compare JSON -> X-speedup.png: speedup over transformers' `generate` per method, one bar per
+  prompt category and one for all prompts; X-acceptance.png: acceptance rate by draft position
+  per csd_engine method (JSON recorded since 2026-11-23 only).
+* gpu JSON -> X-step-split.png: ms per target step split into target, drafters, verify,
+  sample, MaG and other, one stacked bar per strategy and variant.
+* forward-cost JSON -> X-forward-cost.png: cost of an n-token forward relative to one token.
+
+Needs matplotlib (in requirements-ci.txt); without it, says so and draws nothing.
+"""
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python bench/plot.py`: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ALIASES  # noqa: E402
+
+SPLIT_PARTS = ("target", "drafters", "verify", "sample", "mag", "other")
+
+
+def draw(json_path) -> list[Path]:
+    """Draws every picture the JSON has data for; returns the PNG paths."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no pictures (pip install matplotlib, then python bench/plot.py JSON)",
+              file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    json_path = Path(json_path)
+    data = json.loads(json_path.read_text())
+    stem = json_path.with_suffix("")
+    pictures = []
+    if "per_prompt" in data and all("key" in row for row in data.get("rows", [])):  # compare
+        pictures.append(speedup_by_category(data, Path(f"{stem}-speedup.png")))
+        pictures.append(acceptance_by_position(data, Path(f"{stem}-acceptance.png")))
+    if "sections" in data:
+        pictures.append(step_split(data, Path(f"{stem}-step-split.png")))
+    if data.get("rows") and "native_ms" in data["rows"][0]:
+        pictures.append(forward_cost(data, Path(f"{stem}-forward-cost.png")))
+    return [p for p in pictures if p]
+
+
+# -- compare --------------------------------------------------------------------------------------
+def method_labels(data: dict) -> dict:
+    """key -> label, in the run's order."""
+    return data.get("methods") or {row["key"]: row["method"] for row in data["rows"]}
+
+
+def speedups(data: dict) -> dict[str, dict[str, float]]:
+    """category (and "all prompts") -> method key -> speedup over "hf". JSON from before
+    2026-11-23 has no per-category block: there it is rebuilt from the per-prompt tokens/s
+    (every prompt generated the same number of tokens, so summed seconds = a harmonic mean)."""
+    keys = list(method_labels(data))
+    if "per_category" in data:
+        table = {ALIASES.get(c, c): {k: cell["speedup"] for k, cell in cells.items()}
+                 for c, cells in data["per_category"].items()}
+        table["all prompts"] = {k: cell["speedup"] for k, cell in data["overall"].items()}
+        return table
+    by_category = {}
+    for row in data["per_prompt"]:
+        by_category.setdefault(ALIASES.get(row["category"], row["category"]), []).append(row)
+    by_category["all prompts"] = data["per_prompt"]
+    table = {}
+    for category, rows in by_category.items():
+        seconds_per_token = {k: sum(1 / r[k]["tokens_per_s"] for r in rows) for k in keys}
+        table[category] = {k: seconds_per_token["hf"] / seconds_per_token[k] for k in keys}
+    return table
+
+
+def speedup_by_category(data: dict, png: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+    labels = method_labels(data)
+    if "hf" not in labels:
+        print(f"{png.name}: no transformers generate baseline in the run, no speedup picture", file=sys.stderr)
+        return None
+    table = speedups(data)
+    keys = [k for k in labels if k != "hf"]
+    groups = list(table)
+    width = 0.8 / len(groups)
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(keys) + 2), 5.5))
+    for g, group in enumerate(groups):
+        xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(keys))]
+        values = [table[group].get(k) or 0.0 for k in keys]
+        overall = group == "all prompts"
+        ax.bar(xs, values, width, label=group, color="black" if overall else colors(g % 10),
+               alpha=1.0 if overall else 0.85)
+    ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([wrap(labels[k].replace("csd_engine ", "").replace("transformers ", "HF "), 18) for k in keys],
+                       fontsize=8)
+    ax.set_ylabel("speedup over transformers generate (1.0 = dashed line)")
+    ax.set_title(title(data, "speedup per method and prompt category"), fontsize=10)
+    ax.legend(ncols=min(len(groups), 4), fontsize=8, loc="upper left")
+    ax.set_ylim(0, max(max(v or 0 for v in row.values()) for row in table.values()) * 1.25)
+    return save(fig, png)
+
+
+def acceptance_by_position(data: dict, png: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+    labels = method_labels(data)
+    lines = {k: cell.get("acceptance_by_position") for k, cell in data.get("overall", {}).items()}
+    lines = {k: v for k, v in lines.items() if v and k != "ar"}
+    if not lines:
+        print(f"{png.name}: the JSON has no acceptance by draft position (recorded since 2026-11-23)", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, rates in lines.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=labels[key].replace("csd_engine ", ""))
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("acceptance rate by the target (mean over prompts)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title(data, "acceptance by draft position"), fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return save(fig, png)
+
+
+# -- gpu ------------------------------------------------------------------------------------------
+def step_split(data: dict, png: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+    rows = data["sections"].get("step_split")
+    if not isinstance(rows, list) or not rows:
+        print(f"{png.name}: the JSON has no step_split rows", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 2 * len(rows) + 2), 5))
+    bottoms = [0.0] * len(rows)
+    for part in SPLIT_PARTS:
+        values = [max(row.get(f"{part}_ms", 0.0), 0.0) for row in rows]
+        ax.bar(range(len(rows)), values, 0.6, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, row in enumerate(rows):
+        ax.text(i, bottoms[i], f"{row['tokens_per_s']:.0f} tok/s\nMAT {row['mean_accepted']:.2f}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{wrap(row['strategy'], 22)}\n({row['variant']})" for row in rows], fontsize=8)
+    ax.set_ylabel("ms per target step (run with a sync around each part)")
+    ax.set_ylim(0, max(bottoms) * 1.2)
+    device = data.get("device") or data.get("versions", {}).get("device", "?")
+    ax.set_title(f"where a speculative step's time goes\n{device}, {data.get('date', '')}", fontsize=10)
+    ax.legend(fontsize=8)
+    return save(fig, png)
+
+
+# -- forward cost ---------------------------------------------------------------------------------
+def forward_cost(data: dict, png: Path) -> Path:
+    import matplotlib.pyplot as plt
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    paths = [key[:-len("_vs_1")] for key in rows[0] if key.endswith("_vs_1")]
+    labels = data.get("paths", {})
+    for model, dtype in dict.fromkeys((r["model"], r["dtype"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["dtype"]) == (model, dtype)]
+        for path in paths:
+            ax.plot([r["n"] for r in mine], [r[f"{path}_vs_1"] for r in mine], marker="o",
+                    label=f"{model} {dtype} {labels.get(path, path)}")
+    ax.set_xticks(sorted({r["n"] for r in rows}))
+    ax.set_xlabel("new tokens in one forward (n)")
+    ax.set_ylabel("time / time of a 1-token forward")
+    context = data.get("args", {}).get("context", "?")
+    ax.set_title(f"what a forward of n tokens costs after {context} cached tokens\n{hardware_name(data)}, "
+                 f"{data.get('date', '')}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return save(fig, png)
+
+
+# -- shared ---------------------------------------------------------------------------------------
+def title(data: dict, what: str) -> str:
+    args = data.get("args", {})
+    run = f"{args.get('target', '?')} <- {args.get('drafter', '?')}, {args.get('dtype', '?')}"
+    if args.get("dry_run"):
+        run = f"DRY RUN (tiny random models, numbers mean nothing), {args.get('dtype', '?')}"
+    return f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {hardware_name(data)}; {data.get('date', '')}"
+
+
+def hardware_name(data: dict) -> str:
+    """The GPU or CPU a run measured (JSON before 2026-11-23: one descriptive string)."""
+    hardware = data.get("hardware", "?")
+    return hardware.get("gpu") or hardware.get("cpu") if isinstance(hardware, dict) else hardware
+
+
+def wrap(text: str, width: int) -> str:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return "\n".join(lines + [line])
+
+
+def save(fig, png: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return png
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", help="bench JSON files")
+    for json_path in ap.parse_args(argv).json:
+        for picture in draw(json_path):
+            print(f"wrote {picture}")
+
+
+if __name__ == "__main__":
+    main()

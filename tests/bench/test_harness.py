@@ -1,0 +1,108 @@
+"""The bench harness and prompts, in process (no models but the tiny ones)."""
+import argparse
+from collections import Counter
+
+import pytest
+
+from bench import compare, harness
+from bench.common import encode, load_prompts, order_by_category
+from bench.tiny import VOCAB, tiny_tokenizer
+
+CATEGORIES = ("coding", "chat", "translation", "summarization", "qa", "math", "rag")
+
+
+def test_prompts_cover_every_category_with_text_or_chat_messages():
+    prompts = load_prompts()
+    counts = Counter(p["category"] for p in prompts)
+    assert set(counts) == set(CATEGORIES) and min(counts.values()) >= 4, counts
+    for p in prompts:
+        assert ("prompt" in p) != ("messages" in p), p
+        if "messages" in p:
+            assert p["messages"][-1]["role"] == "user"
+            assert {m["role"] for m in p["messages"]} <= {"system", "user", "assistant"}
+    assert any(len(p.get("messages", [])) >= 3 for p in prompts if p["category"] == "chat")
+    rag_words = [len(p["prompt"].split()) for p in prompts if p["category"] == "rag"]
+    assert min(rag_words) > 450 and max(rag_words) < 950  # 600-1200 tokens with Qwen's tokenizer (~1.3 per word)
+
+
+def test_prompt_selection():
+    assert [p["category"] for p in order_by_category(load_prompts(per_category=1))] == list(
+        dict.fromkeys(p["category"] for p in load_prompts()))
+    assert Counter(p["category"] for p in load_prompts(per_category=2, categories="qa,rag")) == {"qa": 2, "rag": 2}
+    assert load_prompts(categories="summarisation") == load_prompts(categories="summarization")  # old spelling
+    with pytest.raises(SystemExit):
+        load_prompts(categories="poetry")
+
+
+def test_chat_messages_go_through_the_template():
+    tok = tiny_tokenizer()
+    assert len(tok) == VOCAB
+    chat = next(p for p in load_prompts(categories="chat") if "messages" in p)
+    text = tok.decode(encode(tok, chat))
+    assert text.endswith("<assistant>") and text.count("<user>") == sum(m["role"] == "user" for m in chat["messages"])
+    ids = encode(tok, {"prompt": "abc"}, chat=False)
+    assert tok.decode(ids) == "abc"
+    assert len(encode(tok, load_prompts(categories="rag")[0], max_tokens=48)) == 48
+
+
+def test_record_names_never_repeat_and_carry_the_header(tmp_path):
+    args = argparse.Namespace(out=str(tmp_path), dry_run=True)
+    first, second = harness.record_path("x", args), harness.record_path("x", args)
+    assert first != second and first.name.startswith("x-dry-run-")
+    harness.write_record(first, {"rows": []}, args)
+    record = first.read_text()
+    for key in ('"git"', '"commit"', '"dirty"', '"versions"', '"transformers"', '"csd_engine"', '"hardware"', '"date"'):
+        assert key in record
+
+
+def test_repeat_and_spread():
+    calls = []
+    out, timing = harness.repeat(lambda: calls.append(1) or len(calls), repeats=3, warmup=1)
+    assert out == 4 and len(timing.seconds) == 3 and timing.min <= timing.median <= timing.max
+    assert harness.spread([2.0, 1.0, 3.0]) == "1.00-3.00" and harness.spread([1.0]) == "-"
+
+
+def test_compare_summary_keeps_the_median_and_sums_tokens_over_seconds():
+    prompts = [{"category": "a"}, {"category": "a"}, {"category": "b"}]
+    encoded = [[1, 2], [3], [4, 5, 6]]
+    seconds = {"hf": [[1.0, 3.0], [2.0, 2.0], [1.0, 1.0]], "ar": [[1.0, 1.0], [1.0, 3.0], [0.5, 0.5]]}
+    runs = [{key: {"seconds": seconds[key][i], "tokens": 10, "output": [i], "target_forwards": 5 if key == "ar" else None,
+                   "acceptance_by_position": [1.0, 0.5] if key == "ar" and i == 0 else None}
+             for key in seconds} | {"reference": [i]} for i in range(3)]
+    summary = compare.summarize(prompts, encoded, runs, ["hf", "ar"], {"hf": "HF", "ar": "AR"})
+    a = summary["per_category"]["a"]
+    assert a["hf"]["tokens_per_s"] == pytest.approx(20 / 4.0)  # medians 2 + 2
+    assert a["ar"]["tokens_per_s"] == pytest.approx(20 / 3.0)  # medians 1 + 2
+    assert a["ar"]["speedup"] == pytest.approx(4.0 / 3.0)
+    assert (a["hf"]["min_tokens_per_s"], a["hf"]["max_tokens_per_s"]) == pytest.approx((20 / 5.0, 20 / 3.0))
+    assert summary["overall"]["ar"]["mean_accepted"] == pytest.approx(2.0)
+    assert summary["overall"]["ar"]["acceptance_by_position"] == [1.0, 0.5]
+    assert summary["overall"]["hf"]["identical"] == "3/3"
+    assert [row["key"] for row in summary["rows"]] == ["hf", "ar"]
+
+
+def test_every_compare_method_has_a_label_and_a_factory():
+    args = compare.parse_args(["--dry-run"])
+    for key, (label, factory) in compare.METHODS.items():
+        assert label.format(**vars(args)) and callable(factory), key
+
+
+class Runner:
+    def forward(self, batch):
+        return batch
+
+
+class OldVerifier:  # no `tree`: internals that moved on since bench.common.instrumented was written
+    def chain(self, logits):
+        return logits
+
+
+def test_profile_warns_and_undoes_its_patches_when_the_engine_internals_changed(capsys):
+    import torch
+
+    engine = argparse.Namespace(target=Runner(), drafters=[Runner()], verifier=OldVerifier(), device=torch.device("cpu"))
+    method = compare.EngineMethod(engine, strategy=None)
+    assert compare.profile_methods({"ar": method}, {"ar": "AR"}, [1, 2], 4) == []
+    assert "warning: no profile for AR" in capsys.readouterr().err
+    for obj in (engine.target, engine.drafters[0], engine.verifier):
+        assert not {"forward", "chain", "tree"} & set(vars(obj)), "every patch is undone"

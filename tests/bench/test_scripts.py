@@ -1,0 +1,107 @@
+"""Every bench script answers --help and runs its --dry-run end to end (tiny random models), as
+a subprocess from the repository root, the way its docstring says to run it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot")
+
+
+def cpu_env() -> dict:
+    """The environment of a CPU bench run: no Triton interpreter (gpu.py's dry run sets it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ""  # `python bench/X.py` must find `bench` by itself
+    return env
+
+
+def run(*argv, timeout=240) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+HELP_ALL = """
+import contextlib, io, runpy, sys
+for name in sys.argv[1:]:
+    for how, run in (("file", lambda: runpy.run_path(f"bench/{name}.py", run_name="__main__")),
+                     ("module", lambda: runpy.run_module(f"bench.{name}", run_name="__main__", alter_sys=True))):
+        sys.argv = [name, "--help"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            run()
+        assert "usage:" in out.getvalue() and (name == "plot" or "--dry-run" in out.getvalue()), (name, how)
+        print(name, how, "ok")
+"""
+
+
+def test_every_script_answers_help_both_ways():
+    """Each script's --help run as a file (python bench/X.py) and as a module (python -m
+    bench.X), in one process: the imports, not the parsers, take the time. The dry runs below
+    start `python bench/X.py` in processes of their own."""
+    done = run("-c", HELP_ALL, *SCRIPTS)
+    assert done.stdout.count(" ok") == 2 * len(SCRIPTS)
+
+
+def only_json(folder: Path, prefix: str) -> dict:
+    [path] = folder.glob(f"{prefix}*-dry-run-*[0-9].json")
+    return json.loads(path.read_text())
+
+
+def test_compare_dry_run(tmp_path):
+    run("bench/compare.py", "--dry-run", "--prompts", "2", "--rounds", "2", "--profile", "--out", str(tmp_path))
+    record = only_json(tmp_path, "compare")
+    assert record["git"]["commit"] and record["versions"]["torch"] and record["hardware"]["cpu_count"]
+    assert record["rounds_done"] == 2 and set(record["methods"]) == set(record["overall"])
+    assert list(record["per_category"]) == ["coding", "chat"]  # round-robin over the categories
+    for prompt in record["per_prompt"]:
+        assert all(len(prompt[key]["seconds"]) == 2 for key in record["methods"])
+    assert record["overall"]["hf"]["speedup"] == pytest.approx(1.0)
+    assert record["overall"]["spec-model"]["acceptance_by_position"]
+    assert record["profile"], "the profile ran (or warned) for the csd_engine methods"
+    assert {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("*.png")} == {"speedup.png", "acceptance.png"}
+
+
+def test_autoregressive_dry_run(tmp_path):
+    run("bench/autoregressive.py", "--dry-run", "--repeats", "2", "--out", str(tmp_path))
+    record = only_json(tmp_path, "autoregressive")
+    assert record["identical_outputs"] == record["prompts"] == 2
+    assert all(len(p["csd_engine native"]["seconds"]) == 2 for p in record["per_prompt"])
+
+
+def test_forward_cost_dry_run(tmp_path):
+    run("bench/forward_cost.py", "--dry-run", "--dtypes", "float32", "--out", str(tmp_path))
+    record = only_json(tmp_path, "forward-cost")
+    assert [row["n"] for row in record["rows"]] == [1, 3]
+    assert all(row["native_vs_1"] > 0 and row["hf_ms"] > 0 for row in record["rows"])
+    assert list(tmp_path.glob("*-forward-cost.png"))
+
+
+def test_tune_dry_run(tmp_path):
+    run("bench/tune.py", "--dry-run", "--no-plot", "--out", str(tmp_path))
+    record = only_json(tmp_path, "tune")
+    assert record["auto"]["tokens_per_s"] > 0 and len(record["rows"]) == 3
+
+
+def test_gpu_dry_run_on_the_cpu(tmp_path):
+    """gpu.py's dry run: tiny shapes on the CPU, its kernels in Triton's interpreter (the copy
+    bandwidth and the verification kernel only: the other sections take a minute there)."""
+    run("bench/gpu.py", "--dry-run", "--sections", "verify", "--out", str(tmp_path))
+    record = only_json(tmp_path, "gpu")
+    assert isinstance(record["sections"]["verify_kernel"], list), record["sections"]["verify_kernel"]
+    assert record["sections"]["copy_bandwidth"]["gb_per_s"] > 0
+
+
+def test_plot_redraws_recorded_json(tmp_path):
+    """The README's pictures come from bench/measured/ JSON recorded before this harness."""
+    for name in ("compare-qwen-bf16-cpu-2026-11-22-run2.json", "gpu-h100-2026-11-22-run1.json"):
+        shutil.copy(ROOT / "bench" / "measured" / name, tmp_path)
+    run("bench/plot.py", *map(str, sorted(tmp_path.glob("*.json"))))
+    assert {p.name for p in tmp_path.glob("*.png")} == {"compare-qwen-bf16-cpu-2026-11-22-run2-speedup.png",
+                                                        "gpu-h100-2026-11-22-run1-step-split.png"}
