@@ -100,7 +100,7 @@ def test_examples_from_the_spec():
     tokens = torch.tensor([[1, 2, 3, 1, 2, 9, 9, 9],  # history 1 2 3 1 2: copies 3 1 2, searches again, 3
                            [5, 6, 7, 5, 6, 7, 5, 9],  # draft 5 after history 5 6 7 5 6 7
                            [4, 4, 4, 4, 4, 4, 4, 4]])  # padding row
-    got = MaG(max_match=4).propose(tokens, torch.tensor([5, 7, 0]), torch.tensor([5, 6, 0]), 4)
+    got = MaG(max_match=4, copy_passes=2).propose(tokens, torch.tensor([5, 7, 0]), torch.tensor([5, 6, 0]), 4)
     assert got.tokens.tolist() == [[3, 1, 2, 3], [6, 7, 5, 6], [4, 4, 4, 4]]
     assert got.length.tolist() == [4, 4, 0] and got.match.tolist() == [2, 4, 0]
     once = MaG(max_match=4, copy_passes=1).propose(tokens, torch.tensor([5, 7, 0]), torch.tensor([5, 6, 0]), 4)
