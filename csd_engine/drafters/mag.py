@@ -154,12 +154,14 @@ class MaG:
         for back in range(self.max_match):
             start = self.max_match - 1 - back
             running &= padded[:, start:start + bound] == window[:, -1 - back, None]
-            lengths += running
-        positions = torch.arange(bound, device=padded.device)
-        tie_break = bound - 1 - positions if self.occurrence == "leftmost" else positions
-        score = torch.where(positions < space[:, None], lengths.long() * bound + tie_break, 0)  # [B, bound]
-        best = score.max(dim=1)
-        return best.values // bound, best.indices
+            lengths += running.view(torch.uint8)  # a view: no bool -> uint8 copy per step
+        lengths.masked_fill_(torch.arange(bound, device=padded.device) >= space[:, None], 0)
+        # max returns the first of equal maxima (documented): leftmost, or rightmost when flipped.
+        if self.occurrence == "leftmost":
+            best = lengths.max(dim=1)
+            return best.values.long(), best.indices
+        best = lengths.flip(1).max(dim=1)
+        return best.values.long(), bound - 1 - best.indices
 
     def _bigram_fill(self, proposal, count, last, has_previous) -> tuple[torch.Tensor, torch.Tensor]:
         """Continue each row's proposal past `count` while the bigram table is confident."""
