@@ -11,7 +11,8 @@ Glossary, per batch row b of a token buffer `tokens` [B, C]:
   `bigram_prob[prev] >= min_bigram_prob`; without a table nothing is filled.
 Everything is fixed-shape tensor work (no host read, no data-dependent control flow), so a
 speculative step that calls `propose` can be captured in one CUDA graph. Cost per pass:
-`max_match` compares over [B, search_bound] (about 1 ms for B=8, C=16k on one CPU core).
+`max_match` compares over [B, search_bound]; on one shared CPU core a call takes ~0.6 ms at
+B=1 (C=2304 or 16384) and ~1 ms at B=8, C=2304, ~2-7 ms at B=8, C=16384.
 """
 from dataclasses import dataclass
 
@@ -36,7 +37,9 @@ class MaG:
 
     bigram [V] int64: `bigram[a]` = most likely token after a; bigram_prob [V] float: its
     probability (drafters/bigram.py builds both, `MaG(*table)`). min_match: shorter matches
-    count as none (1 = the spec). max_match: longest suffix compared (cost is proportional).
+    count as none (1 = the spec; on real text one-token matches had 7% of their copied
+    tokens accepted, longer ones 30-65%: 2 trades ~10% of accepted tokens for ~40% fewer
+    proposed). max_match: longest suffix compared (cost is proportional).
     min_bigram_prob: 0 fills every position (the spec); the default fills only tokens the
     table calls more likely than not. occurrence: "leftmost" (the spec) or "rightmost" (most
     recent). copy_passes: searches per proposal; the spec repeats the search until m tokens,
