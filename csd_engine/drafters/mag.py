@@ -91,6 +91,8 @@ class MaG:
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.dim() != 2:
             raise TypeError(f"tokens must be an int64 tensor [B, C], got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens must have at least one column (C >= 1)")
         batch, capacity = tokens.shape
         for name, value in (("end", end), ("history_end", history_end)):
             if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.shape != (batch,):

@@ -107,6 +107,13 @@ def test_examples_from_the_spec():
     assert once.tokens.tolist() == [[3, 1, 2, 2], [6, 7, 7, 7], [4, 4, 4, 4]] and once.length.tolist() == [3, 2, 0]
 
 
+def test_empty_batch():
+    empty = torch.zeros(0, dtype=torch.int64)
+    got = MaG(torch.tensor([1, 0]), torch.tensor([0.9, 0.9])).propose(torch.zeros(0, 5, dtype=torch.int64),
+                                                                     empty, empty, 3)
+    assert got.tokens.shape == (0, 3) and got.length.shape == got.match.shape == (0,)
+
+
 def test_bigram_fills_only_while_confident():
     bigram = torch.tensor([1, 2, 3, 0])
     prob = torch.tensor([0.9, 0.8, 0.3, 0.9])
@@ -205,6 +212,8 @@ def test_bad_arguments_raise():
     mag, tokens, lengths = MaG(), torch.zeros(2, 5, dtype=torch.int64), torch.tensor([3, 3])
     with pytest.raises(TypeError, match="tokens"):
         mag.propose(tokens.int(), lengths, lengths, 2)
+    with pytest.raises(ValueError, match="column"):
+        mag.propose(tokens[:, :0], lengths, lengths, 2)
     with pytest.raises(TypeError, match="history_end"):
         mag.propose(tokens, lengths, lengths[:1], 2)
     with pytest.raises(ValueError, match="m must"):
