@@ -1,9 +1,11 @@
 """The bigram table MaG falls back on (ALGORITHMS.md section 4, step 4).
 
-`B[a]` is the most likely token after `a`, as a [vocab_size] int64 tensor. It is built
-from a corpus tokenized with the models' tokenizer (the paper used Wikipedia) or from a
-model's own greedy next token for every vocabulary entry, and cached on disk under a key
-derived from the tokenizer's vocabulary, so that two tokenizers never share a table.
+A `BigramTable`: `next_token[a]` is the most likely token after `a` ([vocab_size] int64)
+and `prob[a]` its probability ([vocab_size] float32), which MaG compares with its
+confidence threshold. It is built from a corpus tokenized with the models' tokenizer (the
+paper used Wikipedia) or from a model's own greedy next token for every vocabulary entry,
+and cached on disk under a key derived from the tokenizer's vocabulary, so that two
+tokenizers never share a table.
 """
 import hashlib
 import json
@@ -11,12 +13,30 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
 PAIR_CHUNK = 1 << 24  # tokens counted at once: memory stays ~ distinct pairs + this
 TEXT_CHUNK_CHARS = 1 << 20  # characters handed to the tokenizer per call
+CACHE_VERSION = 2  # 1: next tokens only (bigram-{key}-{source}.pt); 2: with probabilities
+
+
+class BigramTable(NamedTuple):
+    """next_token [V] int64: most likely successor of each token; prob [V] float32: its
+    probability (0 where nothing is known). `MaG(*table)` takes both."""
+    next_token: torch.Tensor
+    prob: torch.Tensor
+
+    def check(self) -> "BigramTable":
+        if (not isinstance(self.next_token, torch.Tensor) or self.next_token.dtype != torch.int64
+                or self.next_token.dim() != 1):
+            raise TypeError("a bigram table's next_token must be a 1-D int64 tensor [vocab_size]")
+        if (not isinstance(self.prob, torch.Tensor) or self.prob.dtype != torch.float32
+                or self.prob.shape != self.next_token.shape):
+            raise TypeError(f"a bigram table's prob must be a float32 tensor shaped like next_token "
+                            f"{tuple(self.next_token.shape)}")
+        return self
 
 
 def _corpus_sequences(token_ids) -> Iterable[torch.Tensor]:
@@ -56,12 +76,14 @@ def _add_pair_counts(keys: torch.Tensor, counts: torch.Tensor,
     return merged, totals
 
 
-def bigram_from_corpus(token_ids: Iterable[Sequence[int]] | torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] int64 table: B[a] = the most frequent successor of `a` in the corpus.
+def bigram_from_corpus(token_ids: Iterable[Sequence[int]] | torch.Tensor, vocab_size: int) -> BigramTable:
+    """next_token[a] = the most frequent successor of `a` in the corpus, prob[a] =
+    count(a, next_token[a]) / count(a, any token).
 
     token_ids: sequences of token ids (pairs never cross from one sequence to the next), or
     an int64 tensor [N] (one sequence) or [rows, N]. Ties go to the smallest token id;
-    tokens never seen followed by anything map to the corpus's most frequent token.
+    tokens never seen followed by anything map to the corpus's most frequent token with
+    probability 0.
     Counting is vectorised over pair keys `a * vocab_size + b`, deduplicated with
     torch.unique (a dense vocab_size^2 count table would not fit for real vocabularies).
     """
@@ -80,30 +102,36 @@ def bigram_from_corpus(token_ids: Iterable[Sequence[int]] | torch.Tensor, vocab_
     predecessor, successor = keys // vocab_size, keys % vocab_size
     best = torch.full((vocab_size,), -1, dtype=torch.int64)
     best.scatter_reduce_(0, predecessor, counts * vocab_size + (vocab_size - 1 - successor), reduce="amax")
-    return torch.where(best >= 0, vocab_size - 1 - best % vocab_size, unigram.argmax())
+    followed = torch.zeros(vocab_size, dtype=torch.int64).index_add_(0, predecessor, counts)  # count(a, any)
+    prob = (best.clamp(min=0) // vocab_size).double() / followed.clamp(min=1)
+    return BigramTable(torch.where(best >= 0, vocab_size - 1 - best % vocab_size, unigram.argmax()),
+                       prob.float())
 
 
-def bigram_from_model(next_token_fn: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
-                      batch_size: int = 1024) -> torch.Tensor:
-    """[vocab_size] int64 table: B[a] = next_token_fn's greedy next token after `a` alone.
+def bigram_from_model(logits_fn: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                      batch_size: int = 256) -> BigramTable:
+    """next_token[a] = the model's greedy next token after `a` alone, prob[a] = the model's
+    probability of it (softmax in float32; ties go to the smallest token id).
 
-    next_token_fn(tokens [N] int64, on the CPU) -> [N] integer tensor (any device) is called
-    on consecutive batches of at most `batch_size` vocabulary entries.
+    logits_fn(tokens [N] int64, on the CPU) -> next-token logits [N, vocab_size] (any device,
+    any floating dtype) is called on consecutive batches of at most `batch_size` vocabulary
+    entries. (Version 1 took a function returning next tokens, which carries no probability.)
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    table = torch.empty(vocab_size, dtype=torch.int64)
+    table = BigramTable(torch.empty(vocab_size, dtype=torch.int64), torch.empty(vocab_size, dtype=torch.float32))
     for start in range(0, vocab_size, batch_size):
         tokens = torch.arange(start, min(start + batch_size, vocab_size), dtype=torch.int64)
-        following = next_token_fn(tokens)
-        if not isinstance(following, torch.Tensor) or following.shape != tokens.shape:
-            raise ValueError(f"next_token_fn must return a tensor of shape {tuple(tokens.shape)}, got "
-                             f"{getattr(following, 'shape', type(following).__name__)}")
-        table[start:start + tokens.numel()] = following.to(device="cpu", dtype=torch.int64)
-    if table.min() < 0 or table.max() >= vocab_size:
-        raise ValueError(f"next_token_fn returned token ids outside [0, {vocab_size})")
+        logits = logits_fn(tokens)
+        if (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()
+                or logits.shape != (tokens.numel(), vocab_size)):
+            raise ValueError(f"logits_fn must return floating-point logits of shape {(tokens.numel(), vocab_size)}, "
+                             f"got {getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+        prob, following = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        table.next_token[start:start + tokens.numel()] = following.cpu()
+        table.prob[start:start + tokens.numel()] = prob.cpu()
     return table
 
 
@@ -122,29 +150,32 @@ def _check_file_name_part(name: str, value) -> None:
                          f"digits, '-', '_' and '.', got {value!r}")
 
 
-def load_or_build(key: str, source: str, build: Callable[[], torch.Tensor],
-                  cache_dir: str | None = None) -> torch.Tensor:
-    """The table cached at `cache_dir/bigram-{key}-{source}.pt`, built and saved if missing.
+def load_or_build(key: str, source: str, build: Callable[[], BigramTable],
+                  cache_dir: str | None = None) -> BigramTable:
+    """The table cached at `cache_dir/bigram-v2-{key}-{source}.pt`, built and saved if missing.
 
     key: usually `tokenizer_key(tokenizer)`; source: what the table was built from (e.g.
     "corpus-wiki" or "model-qwen2.5-0.5b"), chosen by the caller. cache_dir defaults to
-    $CSD_CACHE_DIR, else ~/.cache/csd_engine. The file is written to a temporary name and
-    renamed, so a reader never sees half a table.
+    $CSD_CACHE_DIR, else ~/.cache/csd_engine. The file (a dict of the table's tensors) is
+    written to a temporary name and renamed, so a reader never sees half a table. Version 1
+    files (`bigram-{key}-{source}.pt`, next tokens only) lack the probabilities: they are
+    left alone and the table is rebuilt.
     """
     _check_file_name_part("key", key)
     _check_file_name_part("source", source)
     directory = Path(cache_dir or os.environ.get("CSD_CACHE_DIR") or Path.home() / ".cache" / "csd_engine")
-    path = directory / f"bigram-{key}-{source}.pt"
+    path = directory / f"bigram-v{CACHE_VERSION}-{key}-{source}.pt"
     if path.exists():
-        return torch.load(path, weights_only=True)
+        return BigramTable(**torch.load(path, weights_only=True)).check()
     table = build()
-    if not isinstance(table, torch.Tensor) or table.dtype != torch.int64 or table.dim() != 1:
-        raise TypeError("build() must return a 1-D int64 tensor [vocab_size]")
+    if not isinstance(table, BigramTable):
+        raise TypeError(f"build() must return a BigramTable, got {type(table).__name__}")
+    table.check()
     directory.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:
-            torch.save(table, file)
+            torch.save(table._asdict(), file)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)

@@ -1,233 +1,186 @@
-"""MaG, the statistical drafter of CS Drafting (ALGORITHMS.md section 4).
+"""MaG, the statistical drafter of CS Drafting (ALGORITHMS.md section 4), on the device.
 
-Per row, MaG continues `history + tail` by copying what followed the longest earlier match
-in the committed history, and fills what is left with a bigram chain. Its proposals are
-deterministic, so the level above verifies them with a one-hot `q`.
-
-Why this scales with long contexts: a naive search rescans the whole history in Python
-for every proposal. Here each row keeps a suffix automaton of its committed history,
-extended as tokens are committed:
-
-* committing a token costs amortised O(1) new states and transitions, whatever the
-  history length (at most 2n states and 3n transitions for n tokens, transitions in
-  dicts);
-* every state remembers where its strings first end, so "longest suffix that occurs
-  earlier" and "its leftmost occurrence" come out of the automaton without a scan;
-* a proposal is one matching walk over `tail` and the proposed tokens, started from the
-  committed history's own match (the suffix link of the last state, free to read): one
-  transition per token, plus suffix-link fallbacks when a token leaves every continuation
-  seen so far. In natural text suffix-link chains are short; in a history stuck
-  repeating itself they grow with its length, but they then consist of long runs of
-  states with identical transitions, and a fallback jumps over a whole run through a
-  cached, self-checking pointer (see `SuffixIndex._run_top`). The first walk over a run
-  takes one step per state, so at most as many steps as the history created states;
-  afterwards the run is a single jump until new transitions split it. Query cost:
-  O(len(tail) + m) amortised, independent of the history length (tests/drafters/
-  test_mag.py counts the steps at 1k and 50k tokens, random and repetitive).
-
-Memory is a few hundred bytes per committed token per row (one small dict per state).
+Glossary, per batch row b of a token buffer `tokens` [B, C]:
+* query: tokens[b, :end[b]], the committed history followed by unverified draft tokens;
+* search space: tokens[b, :history_end[b] - 1], the committed history without its last token;
+* match: the longest suffix of the query (at most `max_match` tokens) that occurs in the
+  search space; its leftmost occurrence (the spec's) or, as an option, its rightmost;
+* copy: up to m tokens that followed the occurrence, never past the committed history;
+  the search is repeated on the query extended by the copy `copy_passes - 1` more times;
+* bigram fill: the chain `next = bigram[prev]` continues the proposal while
+  `bigram_prob[prev] >= min_bigram_prob`; without a table nothing is filled.
+Everything is fixed-shape tensor work (no host read, no data-dependent control flow), so a
+speculative step that calls `propose` can be captured in one CUDA graph. Cost per pass:
+`max_match` compares over [B, search_bound]; on one shared CPU core a call takes ~0.6 ms at
+B=1 (C=2304 or 16384) and ~1 ms at B=8, C=2304, ~2-7 ms at B=8, C=16384.
 """
-from operator import index
+from dataclasses import dataclass
 
 import torch
 
-ROOT = 0  # the automaton state of the empty string
-NO_STATE = -1  # suffix link of ROOT; "no state has that transition"
+TOKEN_PAD = -1  # stands before the buffer: no query token equals it
+QUERY_PAD = -2  # stands before the query: no buffer token equals it
 
 
-class SuffixIndex:
-    """Suffix automaton of one row's committed history, grown one token at a time.
-
-    Matching is done against the search space of section 4: the history without its last
-    token. A string occurs there unless its first occurrence ends at the last token, and
-    the only state whose strings first end there is `last`, so a walk simply never stops
-    in `last` (see `advance`).
-    """
-
-    def __init__(self, tokens: list[int]):
-        self.history: list[int] = []
-        self.length = [0]  # longest string of each state
-        self.link = [NO_STATE]  # suffix link: state of the longest shorter suffix class
-        self.first_end = [-1]  # end position of the strings' first occurrence
-        self.edges: list[dict[int, int]] = [{}]
-        self.run_top = [ROOT]  # cached highest ancestor with the same transitions (a hint)
-        self.last = ROOT  # state of the whole history
-        self.steps = 0  # transitions and suffix links followed by queries (cost measure)
-        for token in tokens:
-            self.append(token)
-
-    def _new_state(self, length: int, link: int, first_end: int, edges: dict[int, int]) -> int:
-        self.length.append(length)
-        self.link.append(link)
-        self.first_end.append(first_end)
-        self.edges.append(edges)
-        self.run_top.append(len(self.run_top))
-        return len(self.length) - 1
-
-    def append(self, token: int) -> None:
-        """Standard online suffix-automaton extension by one token."""
-        position = len(self.history)
-        self.history.append(token)
-        current = self._new_state(position + 1, ROOT, position, {})
-        state = self.last
-        while state != NO_STATE and token not in self.edges[state]:
-            self.edges[state][token] = current
-            state = self.link[state]
-        if state != NO_STATE:
-            target = self.edges[state][token]
-            if self.length[state] + 1 == self.length[target]:
-                self.link[current] = target
-            else:
-                # `target` mixes strings that now end at `position` with longer ones that
-                # do not: split off the shorter ones. They first end where `target`'s do.
-                clone = self._new_state(self.length[state] + 1, self.link[target],
-                                        self.first_end[target], dict(self.edges[target]))
-                while state != NO_STATE and self.edges[state].get(token) == target:
-                    self.edges[state][token] = clone
-                    state = self.link[state]
-                self.link[target] = self.link[current] = clone
-        self.last = current
-
-    def committed_match(self) -> tuple[int, int]:
-        """(state, length) of the longest suffix of the history that occurs earlier."""
-        if self.last == ROOT:
-            return ROOT, 0
-        anchor = self.link[self.last]
-        return anchor, self.length[anchor]
-
-    def _run_top(self, state: int) -> int:
-        """Highest suffix-link ancestor of `state` with exactly the same transitions.
-
-        A string followed by a token has every suffix followed by it too, so transition
-        sets only grow up a suffix-link chain: an ancestor with as many transitions as
-        `state` has the same ones, and so has everything in between. That makes a cached
-        top checkable in O(1) (equal counts) whatever was added since, and lets a fallback
-        jump over a whole run of states at once. Walked states are path-compressed.
-        """
-        count = len(self.edges[state])
-        walked = []
-        top = state
-        while True:
-            self.steps += 1
-            cached = self.run_top[top]
-            if cached != top and len(self.edges[cached]) == count:
-                following = cached
-            else:
-                following = self.link[top]
-                if following == NO_STATE or len(self.edges[following]) != count:
-                    break
-            walked.append(top)
-            top = following
-        for visited in walked:
-            self.run_top[visited] = top
-        return top
-
-    def _owner(self, state: int, token: int) -> int:
-        """Deepest state on the suffix-link chain from `state` with a transition on
-        `token`, or NO_STATE."""
-        while state != NO_STATE and token not in self.edges[state]:
-            state = self.link[self._run_top(state)]
-        return state
-
-    def advance(self, state: int, length: int, token: int) -> tuple[int, int]:
-        """Match (state, length) of a sequence -> match of the sequence + [token].
-
-        A match is the longest suffix of the sequence occurring in the search space: its
-        automaton state and its length (0 = no match, at ROOT).
-        """
-        self.steps += 1
-        owner = self._owner(state, token)
-        if owner == NO_STATE:
-            return ROOT, 0
-        if owner != state:
-            length = self.length[owner]
-        target = self.edges[owner][token]
-        if target == self.last:
-            # The match occurs only as the history's own suffix, outside the search
-            # space; its suffixes that occur earlier are those of the history's match.
-            return self.committed_match()
-        return target, length + 1
-
-    def continuation(self, state: int, count: int) -> list[int]:
-        """Up to `count` tokens that follow the leftmost occurrence of a match in `state`,
-        stopping at the end of the history."""
-        start = self.first_end[state] + 1
-        return self.history[start:start + count]
+@dataclass
+class MaGProposal:
+    """tokens [B, m] int64: the proposal, entries past `length` padded with the last real
+    token (or the query's last token where length is 0); length [B] int64 in 0..m;
+    match [B] int64: length of the suffix match of the first copy, 0 if none."""
+    tokens: torch.Tensor
+    length: torch.Tensor
+    match: torch.Tensor
 
 
 class MaG:
-    """The statistical drafter: copies from the history, falls back to a bigram chain.
+    """The statistical drafter: copies from the committed history, then a confident bigram chain.
 
-    bigram: [V] int64, `bigram[prev]` = most likely next token (see drafters/bigram.py).
-    Without it, MaG fills by repeating the last token. Proposals are returned on the CPU.
+    bigram [V] int64: `bigram[a]` = most likely token after a; bigram_prob [V] float: its
+    probability (drafters/bigram.py builds both, `MaG(*table)`). min_match: shorter matches
+    count as none (1 = the spec; on real text one-token matches had 7% of their copied
+    tokens accepted, longer ones 30-65%: 2 trades ~10% of accepted tokens for ~40% fewer
+    proposed). max_match: longest suffix compared (cost is proportional).
+    min_bigram_prob: 0 fills every position (the spec); the default fills only tokens the
+    table calls more likely than not. occurrence: "leftmost" (the spec) or "rightmost" (most
+    recent). copy_passes: searches per proposal; the spec repeats the search until m tokens,
+    the default does not, since a second pass added no accepted token on real text (Qwen
+    tokenizer, bench prompts and greedy continuations) for twice the work.
     """
 
-    def __init__(self, bigram: torch.Tensor | None = None):
+    def __init__(self, bigram: torch.Tensor | None = None, bigram_prob: torch.Tensor | None = None,
+                 min_match: int = 1, max_match: int = 32, min_bigram_prob: float = 0.5,
+                 occurrence: str = "leftmost", copy_passes: int = 1):
+        if (bigram is None) != (bigram_prob is None):
+            raise ValueError("bigram and bigram_prob go together: pass both (see drafters/bigram.py) or neither")
         if bigram is not None:
             if not isinstance(bigram, torch.Tensor) or bigram.dtype != torch.int64 or bigram.dim() != 1:
-                raise TypeError("bigram must be a 1-D int64 tensor [vocab_size] or None")
-            bigram = bigram.tolist()  # plain list: indexed once per filled token
-        self._bigram = bigram
-        self._rows: list[SuffixIndex] = []
+                raise TypeError("bigram must be a 1-D int64 tensor [vocab_size]")
+            if (not isinstance(bigram_prob, torch.Tensor) or not bigram_prob.is_floating_point()
+                    or bigram_prob.shape != bigram.shape):
+                raise TypeError(f"bigram_prob must be a floating-point tensor shaped like bigram "
+                                f"{tuple(bigram.shape)}, got {getattr(bigram_prob, 'dtype', type(bigram_prob))} "
+                                f"{tuple(getattr(bigram_prob, 'shape', ()))}")
+        for name, value, low in (("min_match", min_match, 1), ("max_match", max_match, 1), ("copy_passes", copy_passes, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if min_match > max_match:
+            raise ValueError(f"min_match ({min_match}) must not exceed max_match ({max_match})")
+        if isinstance(min_bigram_prob, bool) or not isinstance(min_bigram_prob, (int, float)) \
+                or not 0 <= min_bigram_prob <= 1:
+            raise ValueError(f"min_bigram_prob must be a number in [0, 1], got {min_bigram_prob!r}")
+        if occurrence not in ("leftmost", "rightmost"):
+            raise ValueError(f"occurrence must be 'leftmost' or 'rightmost', got {occurrence!r}")
+        self.bigram, self.bigram_prob = bigram, bigram_prob
+        self.min_match, self.max_match = min_match, max_match
+        self.min_bigram_prob = float(min_bigram_prob)
+        self.occurrence, self.copy_passes = occurrence, copy_passes
 
-    @property
-    def search_steps(self) -> int:
-        """Automaton steps taken by `propose` since `start` (the cost tests measure)."""
-        return sum(row.steps for row in self._rows)
+    def to(self, device) -> "MaG":
+        if self.bigram is not None:
+            self.bigram, self.bigram_prob = self.bigram.to(device), self.bigram_prob.to(device)
+        return self
 
-    def start(self, histories: list[list[int]]) -> None:
-        """Forget everything and index one history (prompt token ids) per batch row."""
-        self._rows = [SuffixIndex(list(map(index, history))) for history in histories]
+    def propose(self, tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int,
+                search_bound: int | None = None) -> MaGProposal:
+        """Up to m tokens continuing each row's query (see the glossary above).
 
-    def commit(self, tokens: list[list[int]]) -> None:
-        """Append newly accepted tokens to each row's history (a row may get [])."""
-        self._check_batch(tokens, "tokens")
-        for row, accepted in zip(self._rows, tokens):
-            for token in accepted:
-                row.append(index(token))
-
-    def propose(self, tails: list[list[int]], m: int) -> torch.Tensor:
-        """[B, m] int64: m tokens continuing `history[row] + tails[row]` for each row.
-
-        `tails[row]` are drafted but not yet committed tokens (in a cascade MaG drafts on
-        top of an unverified draft): they are part of the query whose suffix is matched,
-        but the search space is the committed history without its last token, and copies
-        stop at the end of the committed history.
+        tokens [B, C] int64; end [B] int64 in 0..C; history_end [B] int64 in 0..end[b];
+        m: host int >= 1; search_bound: host int, only tokens[:, :search_bound] are searched
+        (a bound on history_end - 1 leaves the result unchanged). Rows with end 0 (padding)
+        propose nothing. Out-of-range values are clamped, never read out of bounds.
         """
-        self._check_batch(tails, "tails")
-        if not isinstance(m, int) or m < 1:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.dim() != 2:
+            raise TypeError(f"tokens must be an int64 tensor [B, C], got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens must have at least one column (C >= 1)")
+        batch, capacity = tokens.shape
+        for name, value in (("end", end), ("history_end", history_end)):
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.shape != (batch,):
+                raise TypeError(f"{name} must be an int64 tensor [{batch}], got "
+                                f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"m must be a positive int, got {m!r}")
-        return torch.tensor([self._propose_row(row, tail, m) for row, tail in zip(self._rows, tails)],
-                            dtype=torch.int64).reshape(len(tails), m)
+        if search_bound is not None and (isinstance(search_bound, bool) or not isinstance(search_bound, int)
+                                         or search_bound < 0):
+            raise ValueError(f"search_bound must be None or an int >= 0, got {search_bound!r}")
+        if self.bigram is not None and self.bigram.device != tokens.device:
+            raise ValueError(f"the bigram table is on {self.bigram.device}, tokens on {tokens.device}: call MaG.to")
+        bound = capacity if search_bound is None else min(search_bound, capacity)
 
-    def _propose_row(self, row: SuffixIndex, tail: list[int], m: int) -> list[int]:
-        state, length = row.committed_match()
-        tail = list(map(index, tail))  # plain ints: tensors would hash by identity
-        for token in tail:
-            state, length = row.advance(state, length, token)
-        proposal: list[int] = []
-        while length > 0 and len(proposal) < m:
-            copied = row.continuation(state, m - len(proposal))
-            for token in copied:
-                state, length = row.advance(state, length, token)
-            proposal += copied
-        if len(proposal) < m:
-            query_end = proposal or tail or row.history
-            if not query_end:
-                raise ValueError("MaG cannot continue an empty history with an empty tail")
-            proposal += self._bigram_chain(query_end[-1], m - len(proposal))
-        return proposal
+        end = end.clamp(0, capacity)
+        history_end = torch.minimum(history_end.clamp(min=0), end)
+        space = (history_end - 1).clamp(0, bound)  # [B] searched positions
+        # [B, bound + max_match - 1]: the searched tokens after a pad, so that a match ending
+        # at position p reads padded[:, p + max_match - 1 - j] for its j-th token from the end.
+        padded = torch.cat([tokens.new_full((batch, self.max_match - 1), TOKEN_PAD), tokens[:, :bound]], 1)
+        columns = torch.arange(m, device=tokens.device)  # [m]
+        proposal = tokens.new_zeros(batch, m)
+        count = torch.zeros_like(end)  # [B] tokens proposed so far
+        match = torch.zeros_like(end)
+        for search in range(self.copy_passes if bound > 0 else 0):
+            window = self._query_window(tokens, end, proposal, count)  # [B, max_match]
+            length, position = self._longest_match(padded, window, space)
+            found = (length >= self.min_match) & (count < m)
+            copied = torch.where(found, torch.minimum(m - count, history_end - 1 - position), 0)
+            source = (position + 1 - count)[:, None] + columns  # [B, m]
+            copy = (columns >= count[:, None]) & (columns < (count + copied)[:, None])
+            proposal = torch.where(copy, tokens.gather(1, source.clamp(0, capacity - 1)), proposal)
+            if search == 0:
+                match = torch.where(found, length, 0)
+            count = count + copied
+        last = tokens.gather(1, (end - 1).clamp(min=0)[:, None])[:, 0]  # [B] query's last token
+        if self.bigram is not None:
+            proposal, count = self._bigram_fill(proposal, count, last, end > 0)
+        # Padding: the last real token (the query's where nothing was proposed).
+        previous = torch.where(count > 0, proposal.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], last)
+        proposal = torch.where(columns < count[:, None], proposal, previous[:, None])
+        return MaGProposal(proposal, count, match)
 
-    def _bigram_chain(self, previous: int, count: int) -> list[int]:
-        chain = []
-        for _ in range(count):
-            if self._bigram is not None:
-                if not 0 <= previous < len(self._bigram):
-                    raise ValueError(f"token {previous} is outside the bigram table [0, {len(self._bigram)})")
-                previous = self._bigram[previous]
-            chain.append(previous)
-        return chain
+    def _query_window(self, tokens, end, proposal, count) -> torch.Tensor:
+        """[B, max_match]: the last max_match tokens of query + proposal[:count], QUERY_PAD
+        before the start."""
+        offsets = torch.arange(self.max_match, device=tokens.device) - self.max_match
+        where = (end + count)[:, None] + offsets  # [B, max_match] positions in query + proposal
+        in_query = where < end[:, None]
+        from_tokens = tokens.gather(1, where.clamp(0, tokens.shape[1] - 1))
+        from_proposal = proposal.gather(1, (where - end[:, None]).clamp(0, proposal.shape[1] - 1))
+        return torch.where(where < 0, QUERY_PAD, torch.where(in_query, from_tokens, from_proposal))
 
-    def _check_batch(self, per_row: list, name: str) -> None:
-        if len(per_row) != len(self._rows):
-            raise ValueError(f"{name} has {len(per_row)} rows but start() was given {len(self._rows)} histories")
+    def _longest_match(self, padded, window, space) -> tuple[torch.Tensor, torch.Tensor]:
+        """(length [B], position [B]): the longest suffix of `window` that ends at a position
+        p < space in the buffer, and p (ties: leftmost or rightmost). Length 0 if none."""
+        batch, bound = padded.shape[0], padded.shape[1] - self.max_match + 1
+        # lengths[b, p] = how many tokens ending at p equal the window's last ones. One compare
+        # per suffix length over [B, bound] keeps memory at B x bound (unfold + cumprod would
+        # build B x bound x max_match integers, measured 10-100x slower on a CPU).
+        lengths = torch.zeros(batch, bound, dtype=torch.uint8 if self.max_match < 256 else torch.int32,
+                              device=padded.device)
+        running = torch.ones(batch, bound, dtype=torch.bool, device=padded.device)
+        for back in range(self.max_match):
+            start = self.max_match - 1 - back
+            running &= padded[:, start:start + bound] == window[:, -1 - back, None]
+            lengths += running.view(torch.uint8)  # a view: no bool -> uint8 copy per step
+        lengths.masked_fill_(torch.arange(bound, device=padded.device) >= space[:, None], 0)
+        # max returns the first of equal maxima (documented): leftmost, or rightmost when flipped.
+        if self.occurrence == "leftmost":
+            best = lengths.max(dim=1)
+            return best.values.long(), best.indices
+        best = lengths.flip(1).max(dim=1)
+        return best.values.long(), bound - 1 - best.indices
+
+    def _bigram_fill(self, proposal, count, last, has_previous) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continue each row's proposal past `count` while the bigram table is confident."""
+        vocab_size = self.bigram.shape[0]
+        alive = has_previous | (count > 0)  # the chain has a token to continue from
+        filled = count
+        for column in range(proposal.shape[1]):
+            previous = last if column == 0 else proposal[:, column - 1]
+            known = (previous >= 0) & (previous < vocab_size)
+            entry = previous.clamp(0, vocab_size - 1)
+            confident = known & (self.bigram_prob[entry] >= self.min_bigram_prob)
+            open_ = column >= count
+            fill = open_ & alive & confident
+            proposal[:, column] = torch.where(fill, self.bigram[entry], proposal[:, column])
+            alive = torch.where(open_, fill, alive)
+            filled = filled + fill
+        return proposal, filled

@@ -3,127 +3,239 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from csd_engine.drafters.mag import MaG
 
+aten = torch.ops.aten
+PROBS = [0.0, 0.25, 0.5, 0.75, 1.0]  # exact in float32: threshold comparisons agree with Python
 
-def propose_bruteforce(history: list[int], tail: list[int], m: int, bigram: list[int] | None) -> list[int]:
-    """ALGORITHMS.md section 4 read literally, by exhaustive search."""
-    space = history[:-1]
-    sequence = history + tail
+
+def propose_reference(row: list[int], end: int, history_end: int, m: int, min_match: int, max_match: int,
+                      bigram: list[int] | None, prob: list[float] | None, min_prob: float, occurrence: str,
+                      passes: int, search_bound: int | None) -> tuple[list[int], int, int]:
+    """The rule of mag.py's glossary read literally, by exhaustive search: (proposal padded
+    to m tokens, its length, the first match's length)."""
+    query, history = row[:end], row[:history_end]
+    space = history[:-1][:search_bound]
     proposal: list[int] = []
-    while len(proposal) < m:
-        match_end = None
-        for length in range(min(len(sequence), len(space)), 0, -1):  # longest first
-            suffix = sequence[-length:]
-            for end in range(length - 1, len(space)):  # leftmost first
-                if space[end - length + 1:end + 1] == suffix:
-                    match_end = end
-                    break
-            if match_end is not None:
+    first_match = 0
+    for search in range(passes):
+        sequence = query + proposal
+        found = None
+        for length in range(min(max_match, len(sequence), len(space)), min_match - 1, -1):  # longest first
+            ends = [e for e in range(length - 1, len(space)) if space[e - length + 1:e + 1] == sequence[-length:]]
+            if ends:
+                found = length, ends[0] if occurrence == "leftmost" else ends[-1]
                 break
-        if match_end is None:
+        if found is None or len(proposal) == m:
             break
-        copied = history[match_end + 1:match_end + 1 + m - len(proposal)]
-        proposal += copied
-        sequence += copied
-    while len(proposal) < m:
-        following = sequence[-1] if bigram is None else bigram[sequence[-1]]
-        proposal.append(following)
-        sequence.append(following)
-    return proposal
+        length, match_end = found
+        first_match = first_match or length
+        proposal += history[match_end + 1:match_end + 1 + m - len(proposal)]
+    while bigram is not None and len(proposal) < m and (query + proposal):
+        previous = (query + proposal)[-1]
+        if prob[previous] < min_prob:
+            break
+        proposal.append(bigram[previous])
+    length = len(proposal)
+    padding = (query + proposal)[-1] if query + proposal else row[0]
+    return proposal + [padding] * (m - length), length, first_match
 
 
-def random_tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(count)]
+def random_case(rng: random.Random):
+    """A ragged batch: rows of random tokens from a small vocabulary (many repeats), some
+    with copied stretches, some with drafts past the history, some padding rows (end 0)."""
+    vocab = rng.randint(2, 6)
+    batch, capacity = rng.randint(1, 4), rng.randint(1, 48)
+    rows, ends, history_ends = [], [], []
+    for _ in range(batch):
+        row = [rng.randrange(vocab) for _ in range(capacity)]
+        if capacity > 8 and rng.random() < 0.5:  # a long repeat: matches longer than max_match
+            start, size = rng.randrange(capacity // 2), rng.randint(2, capacity // 2)
+            row[capacity - size:] = row[start:start + size]
+        end = rng.choice([0, rng.randint(0, capacity), capacity])
+        history_end = rng.choice([end, rng.randint(0, end)])  # == end: no draft
+        rows.append(row)
+        ends.append(end)
+        history_ends.append(history_end)
+    return vocab, rows, ends, history_ends
 
 
-def random_tail(rng: random.Random, vocab: int, history: list[int]) -> list[int]:
-    """Empty, short, or longer than the history (never empty when the history is)."""
-    lengths = [rng.randint(1, 5), len(history) + rng.randint(1, 9)] + ([0] if history else [])
-    return random_tokens(rng, vocab, rng.choice(lengths))
+def random_mag(rng: random.Random, vocab: int) -> tuple[MaG, dict]:
+    config = dict(min_match=rng.randint(1, 3), max_match=rng.choice([3, 5, 32]),
+                  min_bigram_prob=rng.choice(PROBS), occurrence=rng.choice(["leftmost", "rightmost"]),
+                  copy_passes=rng.randint(1, 3))
+    bigram = prob = None
+    if rng.random() < 0.7:
+        bigram = [rng.randrange(vocab) for _ in range(vocab)]
+        prob = [rng.choice(PROBS) for _ in range(vocab)]
+    mag = MaG(None if bigram is None else torch.tensor(bigram), None if prob is None else torch.tensor(prob),
+              **config)
+    reference = dict(min_match=config["min_match"], max_match=config["max_match"], bigram=bigram, prob=prob,
+                     min_prob=config["min_bigram_prob"], occurrence=config["occurrence"],
+                     passes=config["copy_passes"])
+    return mag, reference
 
 
-def test_propose_matches_bruteforce_on_random_sequences():
+def test_propose_matches_reference_on_random_batches():
     seed = time.time_ns() % 2**32
     rng = random.Random(seed)
-    for scenario in range(120):
-        vocab = rng.randint(2, 6)  # small vocabularies: many repeats and long matches
-        bigram = None if scenario % 3 == 0 else random_tokens(rng, vocab, vocab)
-        mag = MaG(None if bigram is None else torch.tensor(bigram, dtype=torch.int64))
-        # Row 0 starts from a single token, the others from 0 to 40 tokens.
-        histories = [random_tokens(rng, vocab, 1)] + [random_tokens(rng, vocab, rng.randint(0, 40))
-                                                      for _ in range(rng.randint(0, 3))]
-        mag.start(histories)
-        for round_ in range(6):
-            for as_tensors in (False, True):  # a second proposal without a commit changes nothing
-                tails = [random_tail(rng, vocab, history) for history in histories]
-                m = rng.randint(1, 12)
-                got = mag.propose([torch.tensor(tail, dtype=torch.int64) for tail in tails] if as_tensors
-                                  else tails, m)
-                assert got.dtype == torch.int64 and got.shape == (len(histories), m)
-                for row, (history, tail) in enumerate(zip(histories, tails)):
-                    expected = propose_bruteforce(history, tail, m, bigram)
-                    assert got[row].tolist() == expected, (
-                        f"seed={seed} scenario={scenario} round={round_} row={row} history={history} "
-                        f"tail={tail} m={m} bigram={bigram}")
-            accepted = [random_tokens(rng, vocab, rng.choice([0, rng.randint(1, 6)])) for _ in histories]
-            mag.commit(accepted)
-            for history, tokens in zip(histories, accepted):
-                history += tokens
+    for scenario in range(300):
+        vocab, rows, ends, history_ends = random_case(rng)
+        mag, reference = random_mag(rng, vocab)
+        m = rng.randint(1, 12)
+        search_bound = rng.choice([None, rng.randint(0, len(rows[0]) + 2)])
+        got = mag.propose(torch.tensor(rows), torch.tensor(ends), torch.tensor(history_ends), m, search_bound)
+        assert got.tokens.dtype == got.length.dtype == got.match.dtype == torch.int64
+        assert got.tokens.shape == (len(rows), m) and got.length.shape == got.match.shape == (len(rows),)
+        for b, row in enumerate(rows):
+            expected = propose_reference(row, ends[b], history_ends[b], m, search_bound=search_bound, **reference)
+            actual = got.tokens[b].tolist(), int(got.length[b]), int(got.match[b])
+            assert actual == expected, (f"seed={seed} scenario={scenario} row={b}: {row} end={ends[b]} "
+                                        f"history_end={history_ends[b]} m={m} bound={search_bound} {reference}")
 
 
-def propose_costs(history: list[int], tail_vocab: list[int], commit_vocab: list[int], seed: int,
-                  warmup_calls: int = 20, calls: int = 200) -> tuple[int, float, int]:
-    """Rounds of propose + commit on one row: (automaton steps of the warm-up calls, mean
-    and max steps per call afterwards)."""
-    rng = random.Random(seed)
-    mag = MaG(None)
-    mag.start([history])
-    per_call = []
-    for _ in range(warmup_calls + calls):
-        before = mag.search_steps
-        mag.propose([[rng.choice(tail_vocab) for _ in range(rng.randint(0, 8))]], 10)
-        per_call.append(mag.search_steps - before)
-        mag.commit([[rng.choice(commit_vocab) for _ in range(rng.randint(0, 3))]])
-    steady = per_call[warmup_calls:]
-    return sum(per_call[:warmup_calls]), sum(steady) / calls, max(steady)
+def test_examples_from_the_spec():
+    tokens = torch.tensor([[1, 2, 3, 1, 2, 9, 9, 9],  # history 1 2 3 1 2: copies 3 1 2, searches again, 3
+                           [5, 6, 7, 5, 6, 7, 5, 9],  # draft 5 after history 5 6 7 5 6 7
+                           [4, 4, 4, 4, 4, 4, 4, 4]])  # padding row
+    got = MaG(max_match=4, copy_passes=2).propose(tokens, torch.tensor([5, 7, 0]), torch.tensor([5, 6, 0]), 4)
+    assert got.tokens.tolist() == [[3, 1, 2, 3], [6, 7, 5, 6], [4, 4, 4, 4]]
+    assert got.length.tolist() == [4, 4, 0] and got.match.tolist() == [2, 4, 0]
+    once = MaG(max_match=4, copy_passes=1).propose(tokens, torch.tensor([5, 7, 0]), torch.tensor([5, 6, 0]), 4)
+    assert once.tokens.tolist() == [[3, 1, 2, 2], [6, 7, 7, 7], [4, 4, 4, 4]] and once.length.tolist() == [3, 2, 0]
 
 
-@pytest.mark.parametrize("kind", ["random", "repeated phrase", "repeated token"])
-def test_propose_cost_does_not_grow_with_history_length(kind):
-    """Steps per call at a 50k-token history stay within 3x of those at 1k. A repetitive
-    history has suffix-link chains as long as itself; the first calls walk them once (at
-    most about one step per automaton state), later calls jump over them."""
-    seed = time.time_ns() % 2**32
-    rng = random.Random(seed)
-    vocab = list(range(100))
-    phrase = random_tokens(rng, 100, 20 if kind == "repeated phrase" else 1)
-    costs = {}
-    for length in (1_000, 50_000):
-        if kind == "random":
-            history, commit_vocab = random_tokens(rng, 100, length), vocab
-        else:  # tails mostly leave the repetition, commits continue it
-            history, commit_vocab = phrase * (length // len(phrase)), phrase
-        costs[length] = propose_costs(history, tail_vocab=vocab, commit_vocab=commit_vocab, seed=seed)
-        states = 2 * length  # a suffix automaton has at most 2n states
-        assert costs[length][0] <= states, f"seed={seed} warm-up steps {costs[length][0]} > {states}"
-    (_, mean_short, max_short), (_, mean_long, max_long) = costs[1_000], costs[50_000]
-    assert mean_long < 3 * mean_short and max_long < 3 * max_short, f"seed={seed} {kind} costs {costs}"
+def test_empty_batch():
+    empty = torch.zeros(0, dtype=torch.int64)
+    got = MaG(torch.tensor([1, 0]), torch.tensor([0.9, 0.9])).propose(torch.zeros(0, 5, dtype=torch.int64),
+                                                                     empty, empty, 3)
+    assert got.tokens.shape == (0, 3) and got.length.shape == got.match.shape == (0,)
+
+
+def test_bigram_fills_only_while_confident():
+    bigram = torch.tensor([1, 2, 3, 0])
+    prob = torch.tensor([0.9, 0.8, 0.3, 0.9])
+    tokens = torch.tensor([[7, 0]])  # 7 is outside the table: never confident
+    for min_prob, expected, length in ((0.5, [1, 2, 2, 2], 2), (0.0, [1, 2, 3, 0], 4), (0.95, [0, 0, 0, 0], 0)):
+        got = MaG(bigram, prob, min_bigram_prob=min_prob).propose(tokens, torch.tensor([2]), torch.tensor([2]), 4)
+        assert got.tokens.tolist() == [expected] and got.length.tolist() == [length]
+    got = MaG(bigram, prob, min_bigram_prob=0.0).propose(tokens, torch.tensor([1]), torch.tensor([1]), 3)
+    assert got.tokens.tolist() == [[7, 7, 7]] and got.length.tolist() == [0]
+    got = MaG().propose(tokens, torch.tensor([2]), torch.tensor([2]), 3)  # no table: no fill
+    assert got.tokens.tolist() == [[0, 0, 0]] and got.length.tolist() == [0]
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read the device from the host or have data-dependent shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default):
+            self.seen.append(str(func))
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+                index is not None and index.dtype == torch.bool for index in args[1]):
+            self.seen.append(f"{func} with a bool index")
+        return func(*args, **kwargs)
+
+
+def count_host_reads(monkeypatch, function) -> list[str]:
+    tolist = torch.Tensor.tolist
+    reads = HostReads()
+
+    def counted_tolist(tensor):
+        reads.seen.append("tolist")
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    with reads:
+        function()
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return reads.seen
+
+
+def test_counter_sees_host_reads(monkeypatch):
+    tensor = torch.arange(4)
+    seen = count_host_reads(monkeypatch, lambda: (tensor.sum().item(), bool(tensor[0]), tensor.tolist(),
+                                                  tensor[tensor > 1], tensor.nonzero()))
+    assert seen.count("aten._local_scalar_dense.default") == 2 and "tolist" in seen
+    assert "aten.index.Tensor with a bool index" in seen and "aten.nonzero.default" in seen
+
+
+@pytest.mark.parametrize("with_table", [False, True])
+def test_propose_reads_nothing_on_the_host(monkeypatch, with_table):
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 20, (3, 64), generator=generator)
+    bigram = torch.randint(0, 20, (20,), generator=generator) if with_table else None
+    prob = torch.rand(20, generator=generator) if with_table else None
+    mag = MaG(bigram, prob, min_match=2, copy_passes=2)
+    seen = count_host_reads(monkeypatch, lambda: mag.propose(tokens, torch.tensor([40, 64, 0]),
+                                                             torch.tensor([30, 60, 0]), 6, search_bound=60))
+    assert seen == []
+
+
+def test_search_bound_above_every_history_changes_nothing():
+    generator = torch.Generator().manual_seed(time.time_ns() % 2**32)
+    tokens = torch.randint(0, 3, (4, 200), generator=generator)
+    end, history_end = torch.tensor([150, 90, 200, 1]), torch.tensor([120, 90, 180, 1])
+    mag = MaG(max_match=8)
+    full = mag.propose(tokens, end, history_end, 8)
+    bounded = mag.propose(tokens, end, history_end, 8, search_bound=179)
+    assert all(torch.equal(a, b) for a, b in zip(vars(full).values(), vars(bounded).values()))
+
+
+def test_to_moves_the_tables():
+    mag = MaG(torch.tensor([1, 0]), torch.tensor([0.5, 0.5]))
+    assert mag.to("meta") is mag and mag.bigram.device.type == mag.bigram_prob.device.type == "meta"
+    with pytest.raises(ValueError, match="MaG.to"):
+        mag.propose(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([2]), torch.tensor([2]), 2)
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(TypeError, match="bigram"):
-        MaG(torch.zeros(4, dtype=torch.float32))
-    mag = MaG(torch.zeros(4, dtype=torch.int64))
-    mag.start([[1, 2], []])
-    with pytest.raises(ValueError, match="rows"):
-        mag.propose([[]], 3)
-    with pytest.raises(ValueError, match="rows"):
-        mag.commit([[1]])
+    table, prob = torch.zeros(4, dtype=torch.int64), torch.zeros(4)
+    with pytest.raises(TypeError, match="bigram must"):
+        MaG(torch.zeros(4), prob)
+    with pytest.raises(TypeError, match="bigram_prob"):
+        MaG(table, torch.zeros(3))
+    with pytest.raises(ValueError, match="together"):
+        MaG(table)
+    for kwargs, message in (({"min_match": 0}, "min_match"), ({"max_match": 2, "min_match": 3}, "exceed"),
+                            ({"min_bigram_prob": 1.5}, "min_bigram_prob"), ({"occurrence": "last"}, "occurrence"),
+                            ({"copy_passes": 0}, "copy_passes"), ({"max_match": True}, "max_match")):
+        with pytest.raises(ValueError, match=message):
+            MaG(**kwargs)
+    mag, tokens, lengths = MaG(), torch.zeros(2, 5, dtype=torch.int64), torch.tensor([3, 3])
+    with pytest.raises(TypeError, match="tokens"):
+        mag.propose(tokens.int(), lengths, lengths, 2)
+    with pytest.raises(ValueError, match="column"):
+        mag.propose(tokens[:, :0], lengths, lengths, 2)
+    with pytest.raises(TypeError, match="history_end"):
+        mag.propose(tokens, lengths, lengths[:1], 2)
     with pytest.raises(ValueError, match="m must"):
-        mag.propose([[], [1]], 0)
-    with pytest.raises(ValueError, match="empty"):
-        mag.propose([[], []], 3)
-    with pytest.raises(ValueError, match="bigram table"):
-        mag.propose([[], [9]], 3)
+        mag.propose(tokens, lengths, lengths, 0)
+    with pytest.raises(ValueError, match="search_bound"):
+        mag.propose(tokens, lengths, lengths, 2, search_bound=-1)
+
+
+@pytest.mark.gpu
+def test_propose_runs_in_a_cuda_graph():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 5, (4, 256), generator=generator).cuda()
+    end, history_end = torch.tensor([200, 256, 0, 10]).cuda(), torch.tensor([190, 250, 0, 10]).cuda()
+    mag = MaG(torch.randint(0, 5, (5,), generator=generator), torch.rand(5, generator=generator)).to("cuda")
+    expected = mag.propose(tokens, end, history_end, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mag.propose(tokens, end, history_end, 8)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mag.propose(tokens, end, history_end, 8)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(vars(captured).values(), vars(expected).values()))
