@@ -8,7 +8,7 @@ from csd_engine.drafters.mag import MaG
 
 
 def propose_bruteforce(history: list[int], tail: list[int], m: int, bigram: list[int] | None) -> list[int]:
-    """ALGORITHMS.md section 4 read literally, by exhaustive search."""
+    """docs/algorithms.md, MaG, read literally, by exhaustive search."""
     space = history[:-1]
     sequence = history + tail
     proposal: list[int] = []
