@@ -36,6 +36,8 @@ class Runner:
     num_params: int
     device: torch.device
     cache: KVCache | None = None
+    # Every token id that ends a generation (tokenizer and generation config; see loader.eos_token_ids).
+    eos_token_ids: tuple[int, ...] = ()
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None
