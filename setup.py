@@ -1,17 +1,16 @@
-"""Build: the Python package, the Triton kernels (import name `csd_engine.kernels`) and the
-C++/CUDA extension `csd_engine._C`.
+"""Build of what pyproject.toml cannot declare: the C++/CUDA extension `csd_engine._C` and the
+Triton kernels' folder `kernels/` installed as `csd_engine.kernels`. Metadata, dependencies,
+extras and the version live in pyproject.toml.
 
     pip install --no-build-isolation -e .        # against the torch already installed
     CSD_SKIP_CUDA=1 pip install ...               # C++ CPU sources only, even with CUDA torch
     CSD_NO_EXTENSION=1 pip install ...            # no extension: ops fall back to PyTorch
+    CSD_FORCE_CUDA=1 pip install ...              # CUDA sources without a visible GPU (build hosts)
 """
 import glob
 import os
 
 from setuptools import setup
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
 
 def extension_modules():
     if os.environ.get("CSD_NO_EXTENSION") == "1":
@@ -37,24 +36,8 @@ def build_ext_class():
 
 
 setup(
-    name="csd_engine",
-    version="0.1.0",
-    description="Lossless speculative decoding engine: cascade, staged (tree) and PEARL drafting with fused Triton verification",
     packages=["csd_engine", "csd_engine.models", "csd_engine.strategies", "csd_engine.drafters", "csd_engine.kernels"],
     package_dir={"csd_engine": "csd_engine", "csd_engine.kernels": "kernels"},
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},
-    python_requires=">=3.10",
-    install_requires=[
-        "torch>=2.5",
-        "triton>=3.2",
-        "transformers>=5.0,<6",
-        "numpy>=1.26",
-    ],
-    extras_require={
-        "gguf": ["gguf>=0.10", "accelerate>=1.0"],
-        "test": ["pytest>=8"],
-        "flash": ["flash-attn>=2.6"],
-    },
-    entry_points={"console_scripts": ["csd-engine=csd_engine.cli:main"]},
 )

@@ -1,9 +1,9 @@
 """csd_engine: lossless speculative decoding (cascade, staged tree, PEARL) on static caches."""
 import torch  # noqa: F401  (load torch before the compiled extension)
 
+from csd_engine._version import __version__
 from csd_engine.engine import Engine, GenerationResult, Metrics
 from csd_engine.params import SamplingParams
 from csd_engine.strategies import AutoCascade, Autoregressive, Cascade, Pearl, Speculative, Staged
 
-__all__ = ["Engine", "GenerationResult", "Metrics", "SamplingParams", "Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged", "Pearl"]
-__version__ = "0.1.0"
+__all__ = ["__version__", "Engine", "GenerationResult", "Metrics", "SamplingParams", "Autoregressive", "Speculative", "Cascade", "AutoCascade", "Staged", "Pearl"]

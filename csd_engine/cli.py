@@ -4,17 +4,46 @@
     csd-engine generate --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --drafter mag \
         --strategy cascade --k-matrix '[[2,4],[0,4]]' --lenience 2 --tree '[3,2]' --dtype bfloat16 --chat \
         --prompt "Write a Python function that checks for primes."
+    csd-engine generate ... --strategy-config '{"staged": {"branching": [3, 2, 1], "mag_tokens": 2}}'
 
+Every option of every strategy is reachable through `--strategy-config` (JSON: one strategy
+name -> its keyword arguments; lists become tuples). The simple flags cover the common ones,
+each for the strategies that take it; a flag the chosen strategy does not take is an error.
 `--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating.
 """
 import argparse
+import inspect
 import json
+import logging
 import sys
 
 import torch
 
+from csd_engine import AutoCascade, Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged, __version__
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STRATEGIES = ("autoregressive", "speculative", "cascade", "staged", "pearl")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# name -> (what builds it, the class whose keyword arguments it takes)
+STRATEGIES = {
+    "autoregressive": (Autoregressive, Autoregressive),
+    "speculative": (Speculative, Speculative),
+    "cascade": (Cascade, Cascade),
+    "cascade_auto": (Cascade.auto, AutoCascade),
+    "staged": (Staged, Staged),
+    "pearl": (Pearl, Pearl),
+}
+# The simple flags (argparse dests) each strategy takes; each maps to the option of that name.
+STRATEGY_FLAGS = {
+    "autoregressive": (),
+    "speculative": ("k",),
+    "cascade": ("k_matrix", "lenience", "mag_tokens", "tree"),
+    "cascade_auto": (),
+    "staged": ("branching", "mag_tokens"),
+    "pearl": ("gamma",),
+}
+ALL_FLAGS = tuple(dict.fromkeys(dest for dests in STRATEGY_FLAGS.values() for dest in dests))
+JSON_FLAGS = ("k_matrix", "tree", "branching")
+CLI_CASCADE_MAG_TOKENS = 4  # the CLI's cascade default since its first version (the class's is 10)
 
 
 def _json(text: str, flag: str):
@@ -24,26 +53,80 @@ def _json(text: str, flag: str):
         raise ValueError(f"{flag} must be JSON, e.g. '[[2,4],[0,4]]' or '[3,2]'; got {text!r} ({exc.msg})") from None
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _tuples(value):
+    """JSON lists as the tuples the strategy dataclasses hold (nested lists too)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def make_strategy(name: str, options: dict):
+    """`name`'s strategy built as StrategyClass(**options); unknown names and options are a
+    ValueError naming the allowed ones, bad values the strategy's own error."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; strategies: {', '.join(STRATEGIES)}")
+    build, cls = STRATEGIES[name]
+    allowed = list(inspect.signature(cls).parameters)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(allowed) or 'none'}")
+    return build(**{key: _tuples(value) for key, value in options.items()})
+
+
+def parse_strategy_config(text: str) -> tuple[str, dict]:
+    """`{"<strategy name>": {<option>: <value>, ...}}` -> (name, options)."""
+    example = '\'{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 2}}\''
+    config = _json(text, "--strategy-config") if text.strip() else None
+    if not isinstance(config, dict) or len(config) != 1:
+        raise ValueError(f"--strategy-config must be a JSON object with one key, the strategy name "
+                         f"({', '.join(STRATEGIES)}), e.g. {example}; got {text!r}")
+    (name, options), = config.items()
+    if not isinstance(options, dict):
+        raise ValueError(f"--strategy-config: the options of {name!r} must be a JSON object of keyword "
+                         f"arguments, e.g. {example}; got {options!r}")
+    return name, options
+
+
 def build_strategy(args):
-    import csd_engine
-    if args.strategy == "autoregressive":
-        return csd_engine.Autoregressive()
-    if args.strategy == "speculative":
-        return csd_engine.Speculative(k=args.k)
-    if args.strategy == "cascade":
-        if args.k_matrix is None:
-            if args.tree:
-                raise ValueError("--tree needs --k-matrix (Cascade.auto() verifies chains)")
-            return csd_engine.Cascade.auto()
-        return csd_engine.Cascade(k_matrix=_json(args.k_matrix, "--k-matrix"), lenience=args.lenience,
-                                  mag_tokens=args.mag_tokens, tree=tuple(_json(args.tree or "[]", "--tree")))
-    if args.strategy == "staged":
-        return csd_engine.Staged()
-    return csd_engine.Pearl(gamma=args.k)
+    """The strategy the arguments ask for: from --strategy-config, else from the simple flags."""
+    given = [dest for dest in ALL_FLAGS if getattr(args, dest) is not None]
+    if args.strategy_config is not None:
+        name, options = parse_strategy_config(args.strategy_config)
+        if args.strategy is not None and args.strategy != name:
+            raise ValueError(f"--strategy {args.strategy} contradicts --strategy-config, which configures {name!r}")
+        if given:
+            raise ValueError(f"--strategy-config sets every option: put {', '.join(map(_flag, given))} in it instead")
+        return make_strategy(name, options)
+    name = args.strategy or ("speculative" if args.drafter else "autoregressive")
+    refused = [dest for dest in given if dest not in STRATEGY_FLAGS[name]]
+    if refused:
+        taken = ", ".join(map(_flag, STRATEGY_FLAGS[name])) or "none"
+        raise ValueError(f"--strategy {name} does not take {', '.join(map(_flag, refused))} (its flags: {taken}); "
+                         f"any option of any strategy: --strategy-config '{{\"{name}\": {{...}}}}'")
+    options = {dest: _json(getattr(args, dest), _flag(dest)) if dest in JSON_FLAGS else getattr(args, dest)
+               for dest in given}
+    if name == "cascade":
+        if "k_matrix" not in options:
+            if options:
+                raise ValueError(f"{', '.join(map(_flag, options))} needs --k-matrix (--strategy cascade without "
+                                 f"it is Cascade.auto(), which chooses K and lenience itself)")
+            return make_strategy("cascade_auto", {})
+        options.setdefault("mag_tokens", CLI_CASCADE_MAG_TOKENS)
+    return make_strategy(name, options)
+
+
+def _configure_logging(level: str) -> None:
+    # The root handler is the application's to set; basicConfig leaves one already there alone.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("csd_engine").setLevel(level.upper())
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="csd-engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--target", required=True, help="zoo name, model folder, .gguf file or hub id")
@@ -56,29 +139,34 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="default: speculative when a drafter is given, else autoregressive")
-    g.add_argument("--k", type=int, default=4, help="draft length (speculative) / gamma (pearl)")
-    g.add_argument("--k-matrix", default=None, help="cascade K matrix as JSON, e.g. '[[2,6],[0,8]]'")
-    g.add_argument("--lenience", type=float, default=1.0)
-    g.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call (cascade)")
+    g.add_argument("--strategy-config", default=None, metavar="JSON",
+                   help="any strategy with any of its options, e.g. '{\"staged\": {\"branching\": [3,2,1], "
+                        "\"mag_tokens\": 2}}'; replaces the strategy flags below")
+    g.add_argument("--k", type=int, default=None, help="speculative: draft length (default 4)")
+    g.add_argument("--gamma", type=int, default=None, help="pearl: draft length (default 4)")
+    g.add_argument("--k-matrix", default=None, help="cascade: K matrix as JSON, e.g. '[[2,6],[0,8]]'")
+    g.add_argument("--lenience", type=float, default=None, help="cascade: lenience >= 1 (default 1)")
+    g.add_argument("--mag-tokens", type=int, default=None,
+                   help=f"cascade / staged: tokens MaG proposes per call (default {CLI_CASCADE_MAG_TOKENS} / 0)")
     g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]'")
+    g.add_argument("--branching", default=None, help="staged: children per depth as JSON, e.g. '[4,2,1,1]'")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (instruct models)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="csd_engine's log messages on stderr (model builds, progress)")
     args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
 
-    import csd_engine
-    if args.strategy is None:
-        args.strategy = "speculative" if args.drafter else "autoregressive"
     try:
-        params = csd_engine.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                           max_new_tokens=args.max_new_tokens, seed=args.seed)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
         strategy = build_strategy(args)
-        engine = csd_engine.Engine(target=args.target, drafters=args.drafter, device=args.device,
-                                   dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt),
-                                   max_seq_len=args.max_seq_len)
+        engine = Engine(target=args.target, drafters=args.drafter, device=args.device,
+                        dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt), max_seq_len=args.max_seq_len)
         prompts = args.prompt
         if args.chat:
             if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
@@ -98,7 +186,7 @@ def main(argv=None) -> int:
         else:
             separator = "\n" if args.chat else ""  # a chat reply is not a continuation of the prompt
             print(f"{prompt}{separator}{r.text if r.text is not None else r.token_ids}")
-            print(f"[{args.strategy}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
+            print(f"[{type(strategy).__name__}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
                   f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
     return 0
 

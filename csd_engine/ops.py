@@ -1,6 +1,6 @@
 """Ops of the compiled extension `csd_engine._C`, each with a PyTorch reference it falls back to.
 
-build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (ALGORITHMS.md section 5).
+build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/algorithms.md, Token trees).
 
 The extension is optional: without it (or without a kernel for the input's device) every op runs
 its reference, after one warning.

@@ -1,4 +1,4 @@
-// Tree attention metadata (ALGORITHMS.md section 5): from a parent array, the mask in which
+// Tree attention metadata (docs/algorithms.md, Token trees): from a parent array, the mask in which
 // every node sees its ancestors and itself, each node's depth (positions are prefix + depth),
 // and each node's root-to-node path (so an accepted path is read out in one gather).
 //

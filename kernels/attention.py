@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from csd_engine.models.runner import attention_mask
+from .mask import attention_mask
 
 BLOCK_N = 64  # keys per inner step; chunks are whole multiples of it
 MAX_BLOCK_ROWS = 64  # (query token, head) rows per tile in phase 1
@@ -259,7 +259,7 @@ def cache_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         tree_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """PyTorch twin of `cache_attention`: same shapes and meaning, any float dtype (float64
     included) computed in that dtype; SDPA over the whole cache with the engine's explicit
-    visibility mask (`csd_engine.models.runner.attention_mask`)."""
+    visibility mask (`kernels/mask.py`)."""
     _check_inputs(q, k_cache, v_cache, cache_lens, tree_mask)
     n, q_heads = q.shape[1], q.shape[2]
     visible = attention_mask(cache_lens, n, k_cache.shape[2], tree_mask)  # [B, 1, n, S]

@@ -1,6 +1,14 @@
 """The command line: bad input exits with status 2 and a message naming the problem."""
-from csd_engine.cli import main
-from tests.tiny_models import tiny_llama
+import json
+import subprocess
+import sys
+
+import pytest
+
+import csd_engine
+from csd_engine import AutoCascade, Cascade, Pearl, Staged
+from csd_engine.cli import main, make_strategy, parse_strategy_config
+from tests.tiny_models import VOCAB, tiny_llama
 
 
 def test_cli_reports_bad_input_clearly(tmp_path, capsys):
@@ -24,3 +32,104 @@ def test_cli_cascade_options_are_checked(tmp_path, capsys):
     assert "--k-matrix must be JSON" in capsys.readouterr().err
     assert main(common + ["--prompt", "x", "--strategy", "cascade", "--tree", "[3]"]) == 2
     assert "--tree needs --k-matrix" in capsys.readouterr().err
+
+
+def _tiny_folder(tmp_path, seed=3):
+    """A tiny model folder with a character-level tokenizer over its VOCAB printable characters."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "tiny"
+    tiny_llama(seed=seed).save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel({chr(32 + i): i for i in range(VOCAB)}, unk_token=" "))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
+    return str(folder)
+
+
+def _generate(argv, capsys) -> list[int]:
+    assert main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+
+
+def test_every_strategy_through_its_json_config_gives_greedy_tokens(tmp_path, capsys):
+    """--strategy-config builds StrategyClass(**options) (JSON lists as tuples) for every strategy
+    name; each one's greedy tokens equal plain autoregressive decoding's."""
+    folder = _tiny_folder(tmp_path)
+    common = ["generate", "--target", folder, "--drafter", folder, "--drafter", "mag", "--json",
+              "--max-new-tokens", "6", "--max-seq-len", "64", "--prompt", "x"]
+    reference = _generate(["generate", "--target", folder, "--json", "--max-new-tokens", "6", "--max-seq-len", "64",
+                           "--prompt", "x", "--strategy", "autoregressive"], capsys)
+    configs = [{"autoregressive": {}},
+               {"speculative": {"k": 3}},
+               {"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 2, "mag_tokens": 3, "tree": [2, 2]}},
+               {"cascade_auto": {"lenience_choices": [1, 2], "max_tokens": 4}},
+               {"staged": {"branching": [3, 2, 1], "mag_tokens": 2}},
+               {"pearl": {"gamma": 3, "adaptive": False}}]
+    for config in configs:
+        assert _generate(common + ["--strategy-config", json.dumps(config)], capsys) == reference, config
+
+
+def test_json_configs_become_the_strategy_dataclasses():
+    assert make_strategy("staged", {"branching": [3, 2, 1], "mag_tokens": 2}) == Staged(branching=(3, 2, 1), mag_tokens=2)
+    assert make_strategy("cascade", {"k_matrix": [[2, 4], [0, 4]], "lenience": 2}) == \
+        Cascade(k_matrix=((2, 4), (0, 4)), lenience=2)
+    assert make_strategy("cascade_auto", {"lenience_choices": [1, 2]}) == AutoCascade(lenience_choices=(1, 2))
+    assert make_strategy("pearl", {"gamma": 5}) == Pearl(gamma=5)
+    assert parse_strategy_config('{"speculative": {"k": 2}}') == ("speculative", {"k": 2})
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"medusa": {}}', "unknown strategy 'medusa'; strategies: autoregressive, speculative, cascade, cascade_auto"),
+    ('{"staged": {"k": 3}}', "staged has no option 'k'; its options: branching, drafter, mag_tokens"),
+    ('{"staged": {"branching": []}}', "Staged.branching must be a non-empty tuple"),
+    ('{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 0.5}}', "lenience must be a number >= 1"),
+    ('{"pearl": {"gamma": 0}}', "Pearl.gamma must be an int in [1, 64]"),
+    ('{"cascade": {"k_matrix": [[2, 4], [1, 4]]}}', "K must be upper-triangular"),
+    ('["cascade"]', "--strategy-config must be a JSON object with one key"),
+    ('{"speculative": {"k": 2}, "pearl": {}}', "--strategy-config must be a JSON object with one key"),
+    ('{"speculative": 2}', "the options of 'speculative' must be a JSON object"),
+    ('{"speculative": ', "--strategy-config must be JSON"),
+])
+def test_bad_strategy_configs_exit_2_naming_the_problem(tmp_path, capsys, config, message):
+    folder = _tiny_folder(tmp_path)
+    argv = ["generate", "--target", folder, "--drafter", folder, "--drafter", "mag", "--max-new-tokens", "4",
+            "--max-seq-len", "64", "--prompt", "x", "--strategy-config", config]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--strategy", "pearl", "--k", "3"], "--strategy pearl does not take --k (its flags: --gamma)"),
+    (["--strategy", "staged", "--lenience", "2"], "--strategy staged does not take --lenience (its flags: --branching, --mag-tokens)"),
+    (["--strategy", "speculative", "--mag-tokens", "2"], "--strategy speculative does not take --mag-tokens"),
+    (["--k", "3", "--gamma", "2"], "--strategy speculative does not take --gamma"),
+    (["--strategy", "cascade", "--lenience", "2"], "--lenience needs --k-matrix"),
+    (["--strategy", "pearl", "--strategy-config", '{"speculative": {}}'], "--strategy pearl contradicts --strategy-config"),
+    (["--k", "3", "--strategy-config", '{"speculative": {}}'], "put --k in it instead"),
+])
+def test_flags_a_strategy_does_not_take_are_refused(tmp_path, capsys, flags, message):
+    folder = _tiny_folder(tmp_path)
+    argv = ["generate", "--target", folder, "--drafter", folder, "--max-new-tokens", "4", "--max-seq-len", "64",
+            "--prompt", "x"] + flags
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simple_flags_reach_their_strategy(tmp_path, capsys):
+    """--branching and --mag-tokens configure Staged, --gamma Pearl (no flag is silently dropped)."""
+    folder = _tiny_folder(tmp_path)
+    common = ["generate", "--target", folder, "--drafter", folder, "--drafter", "mag", "--json",
+              "--max-new-tokens", "5", "--max-seq-len", "64", "--prompt", "x"]
+    reference = _generate(common + ["--strategy", "autoregressive"], capsys)
+    assert _generate(common + ["--strategy", "staged", "--branching", "[2,1]", "--mag-tokens", "2"], capsys) == reference
+    assert _generate(common + ["--strategy", "pearl", "--gamma", "2"], capsys) == reference
+    assert _generate(common + ["--strategy", "speculative", "--k", "2"], capsys) == reference
+
+
+def test_version_and_python_m(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"csd-engine {csd_engine.__version__}"
+    out = subprocess.run([sys.executable, "-m", "csd_engine", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"csd-engine {csd_engine.__version__}", out.stderr

@@ -16,10 +16,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
-from csd_engine.models.runner import ForwardBatch, Runner, attention_mask
+from csd_engine.models.runner import ForwardBatch, Runner
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"

@@ -1,16 +1,32 @@
 """Turn what the user passed as a model into a runner (and its tokenizer, if any).
 
-Accepted: a zoo name (see `zoo.MODELS`), a Hugging Face folder, a `.gguf` file, a hub id
-(when the hub is reachable), an already-loaded `transformers` model, or a `Runner`.
-Llama-family models get the native runner; everything else the generic one.
+Accepted: a zoo name (see `zoo.MODELS`; its bfloat16 folder, cast to the dtype asked for), a
+Hugging Face folder, a `.gguf` file (dequantized exactly as the zoo converts its GGUFs), a hub
+id when a hub is reachable (`org/name`, or `org/name@revision` for a branch, tag or commit), an
+already-loaded `transformers` model, or a `Runner`. Llama-family models get the native runner;
+everything else the generic one. Each loaded runner carries `eos_token_ids`.
 """
+import logging
 import os
+import pathlib
 
 import torch
 
 from csd_engine.models.hf import HFRunner
 from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner
 from csd_engine.models.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def _split_revision(hub_id: str) -> tuple[str, dict]:
+    """"org/name@rev" -> ("org/name", {"revision": "rev"}); a plain id has no revision."""
+    name, at, revision = hub_id.partition("@")
+    if not at:
+        return hub_id, {}
+    if not name or not revision:
+        raise ValueError(f"{hub_id!r}: a hub id with a revision is 'org/name@revision' (branch, tag or commit)")
+    return name, {"revision": revision}
 
 
 def _load_hf(spec: str, dtype: torch.dtype):
@@ -24,13 +40,17 @@ def _load_hf(spec: str, dtype: torch.dtype):
     elif spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise ValueError(f"GGUF file not found: {spec!r}")
-        folder, extra = os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
     elif os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise ValueError(f"{spec!r} is a folder but not a model folder (no config.json)")
     elif os.path.exists(spec):
         raise ValueError(f"{spec!r} is a file but not a model: pass a model folder or a .gguf file")
+    else:
+        folder, extra = _split_revision(spec)
     try:
+        if spec.endswith(".gguf"):
+            model, tokenizer = zoo.load_gguf(pathlib.Path(spec).resolve(), dtype)
+            return model.eval(), tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{spec!r} is not a model: expected a zoo name ({', '.join(zoo.MODELS)}), "
@@ -43,11 +63,28 @@ def _load_hf(spec: str, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
+def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """Every token id that ends a generation, sorted: the tokenizer's EOS, the model's
+    `generation_config.eos_token_id` and its config's (each an int, a list or None). Instruct
+    models often list several in the generation config (a chat turn's end beside the text's),
+    which the tokenizer's single `eos_token_id` misses."""
+    sources = (getattr(tokenizer, "eos_token_id", None),
+               getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(getattr(model, "config", None), "eos_token_id", None))
+    ids = set()
+    for source in sources:
+        if source is not None:
+            ids.update(int(i) for i in (source if isinstance(source, (list, tuple)) else [source]))
+    return tuple(sorted(ids))
+
+
 def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
                 attention_backend: str = "sdpa", fused: bool = False) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
     supports the architecture; True demands it; False forces the generic runner. `fused`:
-    the native runner's fused Triton norm / RoPE kernels (ignored by the generic runner)."""
+    the native runner's fused Triton norm / RoPE kernels (ignored by the generic runner).
+    A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in
+    is returned as it is."""
     if isinstance(spec, Runner):
         return spec, getattr(spec, "tokenizer", None)
     tokenizer = None
@@ -64,4 +101,7 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
         runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused)
     else:
         runner = HFRunner(model.to(device=device, dtype=dtype), device)
+    runner.eos_token_ids = eos_token_ids(model, tokenizer)
+    log.debug("%s (%s): %s on %s in %s, EOS ids %s", spec if isinstance(spec, str) else type(spec).__name__,
+              model_type, type(runner).__name__, device, dtype, runner.eos_token_ids)
     return runner, tokenizer

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.kernels.mask import attention_mask  # noqa: F401  (re-exported: bench/gpu.py imports it from here)
 from csd_engine.models.cache import KVCache
 
 
@@ -35,6 +36,8 @@ class Runner:
     num_params: int
     device: torch.device
     cache: KVCache | None = None
+    # Every token id that ends a generation (tokenizer and generation config; see loader.eos_token_ids).
+    eos_token_ids: tuple[int, ...] = ()
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None
@@ -51,18 +54,3 @@ class Runner:
         if logits is not None and self.nonfinite_rows is not None:
             self.nonfinite_rows |= ~torch.isfinite(logits).flatten(1).all(1)
         return logits
-
-
-def attention_mask(lengths: torch.Tensor, n: int, kv_bound: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """[B, 1, n, kv_bound] bool: query i of row b sees its committed prefix (slots < lengths[b])
-    and the new tokens it may attend to (itself and earlier ones, or its tree ancestors)."""
-    slots = torch.arange(kv_bound, device=lengths.device)
-    rel = slots[None, None, :] - lengths[:, None, None]  # slot index relative to the first new token
-    query = torch.arange(n, device=lengths.device)[None, :, None]
-    if tree_mask is None:
-        visible = rel <= query
-    else:
-        new = (rel >= 0) & (rel < n)
-        idx = rel.clamp(0, n - 1).expand(-1, n, -1)
-        visible = (rel < 0) | (new & torch.gather(tree_mask, 2, idx))
-    return visible[:, None]

@@ -2,7 +2,7 @@
 
 * Random trees, greedy and sampling rows in one batch: the kernel must reproduce the
   reference exactly (same counter-based random numbers), and both must equal a float64,
-  node-by-node walk written straight from ALGORITHMS.md section 5.
+  node-by-node walk written straight from docs/algorithms.md, Token trees.
 * Losslessness: over 20000 seeds in one batched call, the first emitted token (depth-1 tree)
   and the first two emitted tokens (depth-2 tree) follow the target's processed distribution.
   The Triton interpreter is too slow for 20000 rows: without a GPU the kernel must equal the
@@ -105,7 +105,7 @@ def to_device(*tensors):
 
 
 def spec_walk(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset) -> tuple[list[int], int]:
-    """ALGORITHMS.md section 5 on one row, node by node, in float64: (accepted path, emitted
+    """docs/algorithms.md, Token trees, on one row, node by node, in float64: (accepted path, emitted
     token). Same random numbers as the kernel: u of the r-th child tried at depth d is
     uniform(seed, offset + d, 1 + V + r); the final sample's noise is gumbel(seed, offset + d, 1 + y)."""
     vocab = logits.shape[-1]
