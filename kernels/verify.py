@@ -354,7 +354,12 @@ def _draft_distribution(draft_tokens, draft_probs, rows, position, vocab):
     """q of draft `position` ([B] or an int) for the given rows: draft_probs, or one-hot at the draft token."""
     if draft_probs is not None:
         return draft_probs[rows, position].float()
-    return torch.nn.functional.one_hot(draft_tokens[rows, position], vocab).float()
+    return _one_hot(draft_tokens[rows, position], vocab)
+
+
+def _one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R] int -> [R, V] float32; F.one_hot would read the indices' range back to the host to check it."""
+    return (index[:, None] == torch.arange(vocab, device=index.device)).float()
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor, lenience: torch.Tensor):
@@ -434,7 +439,7 @@ def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     settings = [s.repeat_interleave(per_row) for s in (temperature, top_k, top_p)]
     z, threshold, lse = processed_ref(logits.reshape(-1, vocab), *settings, filtered=filtered, max_top_k=max_top_k)
     greedy = (settings[0] == 0)[:, None]
-    probs = torch.where(greedy, torch.nn.functional.one_hot(z.argmax(-1), vocab).float(), probs_ref(z, threshold, lse))
+    probs = torch.where(greedy, _one_hot(z.argmax(-1), vocab), probs_ref(z, threshold, lse))
     return probs.reshape(logits.shape)
 
 
@@ -469,7 +474,7 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
             r = torch.where(residual_mass > 0, residual / residual_mass, e)
             e = torch.where(drafted[:, j, None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r, e)
             emitted_token = torch.where(j < result.num_accepted, tokens[:, j], result.next_token)
-        greedy_e = torch.nn.functional.one_hot(emitted_token, vocab).float()
+        greedy_e = _one_hot(emitted_token, vocab)
         e = torch.where(sampling[:, None], e, greedy_e)
         emitted[:, j] = torch.where((j <= result.num_accepted)[:, None], e, 0.0)
     return emitted
