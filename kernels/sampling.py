@@ -15,9 +15,9 @@ over ordered keys. Each sweep counts the entries (top-k) or sums their exp(z - m
 at NUM_PIVOTS evenly spaced keys of the current key range, keeps the sub-range where the answer
 lies and shrinks it to the entries inside: at most 9 sweeps for the 2^32 keys (a bisection needs
 32), fewer once the range holds a single entry. `processed_ref` finds the same entry on a
-descending sort (or a top-k partial sort of a host-known width). Their fp32 mass sums round
-differently, so a top_p within rounding of 1 may end the nucleus at different tail entries, whose
-mass is below that rounding; elsewhere the two agree exactly.
+descending sort (or a partial sort: of a host-known width, or on the CPU one that widens as
+needed). Their fp32 mass sums round differently, so a top_p within rounding of 1 may end the
+nucleus at different tail entries, whose mass is below that rounding; elsewhere they agree exactly.
 
 This module holds the @triton.jit helpers verify.py and tree_verify.py import, one small kernel
 (`processed`: per-row threshold / lse / argmax with those helpers, so tests can compare the device
@@ -226,13 +226,22 @@ def filter_flags(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return sampling & (top_k > 0) & (top_k < vocab), sampling & (top_p < 1)
 
 
+READS_ON_CPU = True  # tests switch it off to run the device behaviour on CPU tensors
+
+
+def may_read(tensor: torch.Tensor) -> bool:
+    """Whether a reference may read `tensor`'s values to save work: only on the CPU, where a read
+    is no device sync. On a device every decision comes from shapes and host-known hints."""
+    return READS_ON_CPU and tensor.device.type == "cpu"
+
+
 def resolve_filtered(filtered: bool | None, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      vocab: int) -> bool:
-    """A host-known `filtered` as given; None: on CPU tensors look (a CPU read, no device sync),
-    on a device assume some row is filtered (the fixed-shape path, no read)."""
+    """A host-known `filtered` as given; None: look where that is free (may_read), else assume
+    some row is filtered (the fixed-shape path)."""
     if filtered is not None:
         return filtered
-    if temperature.device.type != "cpu":
+    if not may_read(temperature):
         return True
     by_count, by_mass = filter_flags(temperature, top_k, top_p, vocab)
     return bool((by_count | by_mass).any())
@@ -240,21 +249,34 @@ def resolve_filtered(filtered: bool | None, temperature: torch.Tensor, top_k: to
 
 def _cutoffs(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, by_count: torch.Tensor,
              by_mass: torch.Tensor, max_top_k: int | None) -> torch.Tensor:
-    """[R, V] processed logits -> [R] threshold, in fixed shapes (no host reads): rank every row in
-    full, or only its top max_top_k when the host knows each filtered row has 0 < top_k <= max_top_k
-    (the nucleus then lies inside that top)."""
+    """[R, V] processed logits -> [R] threshold, from each row's top `width` entries in descending
+    order. The width: max_top_k when the host knows each filtered row has 0 < top_k <= max_top_k
+    (the nucleus then lies inside that top); else, where reads are free (CPU), a partial sort that
+    widens until every nucleus is inside (nuclei are usually small, and a 150k sort is costly on a
+    CPU); else the full row: fixed shapes, no host reads. The threshold is the same for any width
+    that holds the cut-off (the running sums are the same prefix sums)."""
     vocab = z.shape[-1]
-    width = vocab if max_top_k is None else max(1, min(vocab, max_top_k))
-    ranked = z.sort(-1, descending=True).values if width == vocab else z.topk(width, -1).values  # [R, width]
+    adaptive = max_top_k is None and may_read(z)
+    if max_top_k is not None:
+        width = max(1, min(vocab, max_top_k))
+    elif adaptive:
+        width = min(vocab, max(256, int(torch.where(by_count, top_k, 0).max())))
+    else:
+        width = vocab
     kth = top_k.long().clamp(1, width)[:, None] - 1
-    count_cut = torch.where(by_count[:, None], ranked.gather(1, kth), float("-inf"))  # [R, 1]
-    row_max = ranked[:, :1]
-    goal = top_p[:, None] * torch.where(z >= count_cut, torch.exp(z - row_max), 0.0).sum(-1, keepdim=True)
-    # The first ranked entry whose running kept mass reaches the goal: a tie group's later members
-    # only add mass, so its value is the largest one that qualifies.
-    reached = torch.where(ranked >= count_cut, torch.exp(ranked - row_max), 0.0).cumsum(-1) >= goal
+    while True:
+        ranked = z.sort(-1, descending=True).values if width == vocab else z.topk(width, -1).values  # [R, width]
+        count_cut = torch.where(by_count[:, None], ranked.gather(1, kth), float("-inf"))  # [R, 1]
+        row_max = ranked[:, :1]
+        goal = top_p[:, None] * torch.where(z >= count_cut, torch.exp(z - row_max), 0.0).sum(-1, keepdim=True)
+        # The first ranked entry whose running kept mass reaches the goal: a tie group's later
+        # members only add mass, so its value is the largest one that qualifies.
+        reached = torch.where(ranked >= count_cut, torch.exp(ranked - row_max), 0.0).cumsum(-1) >= goal
+        if not adaptive or width == vocab or bool((reached.any(-1) | ~by_mass).all()):
+            break
+        width = min(vocab, 8 * width)
     # Rounding can leave the goal just out of reach of the whole kept mass: then everything kept
-    # stays (with a partial sort the entries past it are ties of the top-k cut-off).
+    # stays (with a partial sort of max_top_k the entries past it are ties of the top-k cut-off).
     smallest_kept = torch.maximum(count_cut, ranked[:, -1:])
     mass_cut = torch.where(reached.any(-1, keepdim=True), ranked.gather(1, reached.int().argmax(-1, keepdim=True)),
                            smallest_kept)
@@ -270,6 +292,8 @@ def processed_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     (0 = off), top_p [R] float (1 = off).
     filtered   host-known: False = no row uses top-k / top-p (the cut-off work is skipped), True =
                some may; None = look on CPU tensors, assume True on a device (resolve_filtered).
+    On a device (or with READS_ON_CPU off) nothing reads tensor values: fixed shapes only. On CPU
+    tensors the top-p search may read to rank only as far as the nuclei need.
     max_top_k  host-known: every row that uses top-k or top-p has 0 < top_k <= max_top_k, so a
                top-k partial sort of that width replaces the full sort (a top-p row without top-k
                breaks the promise and gets a wrong cut-off).

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (block_sizes, check_settings, gumbel_update, load_z, probs_ref, processed_ref, row_cutoff,
-                       row_settings, row_stats, NUM_PIVOTS)
+from .sampling import (NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z, may_read, probs_ref,
+                       processed_ref, row_cutoff, row_settings, row_stats)
 
 MAX_BLOCK_V = 1024
 NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
@@ -264,7 +264,7 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     seed, offset, tokens, parents = seed.long(), offset.long(), tokens.long(), parents.long()
     greedy = temperature == 0
     if all_greedy is None:
-        all_greedy = device.type == "cpu" and bool(greedy.all())
+        all_greedy = may_read(greedy) and bool(greedy.all())
     if all_greedy:
         return _greedy_tree_verify_ref(logits, tokens, parents)
     per_node = [s.repeat_interleave(nodes) for s in (temperature, top_k, top_p)]

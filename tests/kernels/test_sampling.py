@@ -78,17 +78,27 @@ def test_verify_thresholds_equal_reference():
             assert torch.equal(result.threshold[:, j], want), f"seed={seed}, splits={splits}, position {j}"
 
 
-def test_partial_sort_equals_full_sort():
-    """max_top_k (every filtered row has 0 < top_k <= max_top_k) ranks only that top."""
+def test_partial_sorts_equal_full_sort(monkeypatch):
+    """The full sort (a device's fixed shapes), the CPU's widening partial sort and a host-known
+    max_top_k (every filtered row has 0 < top_k <= max_top_k) give the same thresholds."""
+    from csd_engine.kernels import sampling
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    rows, vocab, max_top_k = 24, 500, 40
+    rows, vocab, max_top_k = 24, 3000, 400
     logits, temperature, _, top_p = tied_rows(gen, rows, vocab)
-    top_k = torch.randint(1, max_top_k + 1, (rows,), generator=gen).to(torch.int32)
-    full = processed_ref(logits, temperature, top_k, top_p, filtered=True)
-    partial = processed_ref(logits, temperature, top_k, top_p, filtered=True, max_top_k=max_top_k)
-    for got, want in zip(partial, full):
-        assert torch.equal(got, want), f"seed={seed}"
+    logits = logits * torch.rand(rows, 1, generator=gen)  # flat rows too: their nuclei pass 256 entries
+    top_k = torch.where(torch.rand(rows, generator=gen) < 0.5, torch.randint(1, max_top_k + 1, (rows,), generator=gen),
+                        0).to(torch.int32)
+    settings = (logits, temperature, top_k, top_p)
+    widening = processed_ref(*settings, filtered=True)
+    monkeypatch.setattr(sampling, "READS_ON_CPU", False)
+    full = processed_ref(*settings, filtered=True)
+    for got, want in zip(widening, full):
+        assert torch.equal(got, want), f"seed={seed}: widening partial sort"
+    has_k = top_k > 0
+    hinted = processed_ref(*(t[has_k] for t in settings), filtered=True, max_top_k=max_top_k)
+    for got, want in zip(hinted, full):
+        assert torch.equal(got, want[has_k]), f"seed={seed}: max_top_k"
     with pytest.raises(ValueError, match="max_top_k"):
         inputs = random_batch(gen, 2, 1, 50, False)
         verify_ref(**dict(inputs, temperature=torch.ones(2), top_k=torch.tensor([0, 3]), top_p=torch.tensor([0.9, 1.0])),
@@ -150,13 +160,17 @@ def test_read_counter_sees_reads(count_reads):
         assert counter.reads, "a read went uncounted"
 
 
-@pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.parametrize("filtered", [False, True, None])
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_references_do_not_read_the_device(count_reads, filtered, with_draft_probs):
+def test_references_do_not_read_the_device(count_reads, monkeypatch, filtered, with_draft_probs):
+    """CPU tensors with the reads a CPU may make switched off behave as on a device: hints given
+    (filtered, all_greedy) or not (None: assume the general case), nothing is read."""
+    from csd_engine.kernels import sampling
+    monkeypatch.setattr(sampling, "READS_ON_CPU", False)
     gen = torch.Generator().manual_seed(fresh_seed())
     batch, k, vocab = 6, 3, 64
     inputs = random_batch(gen, batch, k, vocab, with_draft_probs)
-    if not filtered:
+    if filtered is False:
         inputs.update(top_k=torch.zeros_like(inputs["top_k"]), top_p=torch.ones_like(inputs["top_p"]))
     settings = [inputs[name] for name in ("temperature", "top_k", "top_p")]
     lenience = 1.0 + 2 * torch.rand(batch, generator=gen).to(DEVICE)
@@ -171,6 +185,6 @@ def test_references_do_not_read_the_device(count_reads, filtered, with_draft_pro
         for l in (2.5, lenience):
             result = verify_ref(**inputs, lenience=l, filtered=filtered, check_values=False)
             emitted_distribution(**no_seed, lenience=l, result=result, check_values=False)
-        for all_greedy in (False, True):
+        for all_greedy in (False, True, None):
             tree_verify_ref(**tree_inputs, all_greedy=all_greedy, filtered=filtered, check_values=False)
     assert counter.reads == [], f"host reads: {counter.reads}"
