@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, argmax_update, block_sizes, check_settings, gumbel_update, load_z,
+from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z,
                        merge_argmax, merge_stats, probs_ref, processed_ref, resolve_filtered, row_cutoff,
                        row_settings, row_stats)
 
