@@ -11,6 +11,8 @@ import os
 import torch
 
 BACKENDS = ("triton", "torch")
+REFERENCE_HINTS = ("filtered", "max_top_k", "all_greedy")  # host-known hints only the PyTorch references take
+KERNEL_KNOBS = ("splits",)  # launch settings only the kernels take
 
 
 def choose_backend(requested: str | None, device: torch.device) -> str:
@@ -23,7 +25,9 @@ def choose_backend(requested: str | None, device: torch.device) -> str:
 
 
 class Verifier:
-    """`chain(...)`: kernels.verify semantics; `tree(...)`: kernels.tree_verify semantics."""
+    """`chain(...)`: kernels.verify semantics; `tree(...)`: kernels.tree_verify semantics.
+    Either takes the union of both implementations' keyword options (`check_values`, the
+    references' host-known hints, the kernels' `splits`); each implementation gets its own."""
 
     def __init__(self, backend: str):
         from csd_engine.kernels import verify
@@ -36,10 +40,17 @@ class Verifier:
         return self.backend == "triton" and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
     def chain(self, logits, *args, **kwargs):
-        fn = self._chain_kernel if self._kernel_for(logits) else self._chain_ref
-        return fn(logits, *args, **kwargs)
+        kernel = self._kernel_for(logits)
+        fn = self._chain_kernel if kernel else self._chain_ref
+        return fn(logits, *args, **_options_for(kernel, kwargs))
 
     def tree(self, logits, *args, **kwargs):
         from csd_engine.kernels import tree_verify
-        fn = tree_verify.tree_verify if self._kernel_for(logits) else tree_verify.tree_verify_ref
-        return fn(logits, *args, **kwargs)
+        kernel = self._kernel_for(logits)
+        fn = tree_verify.tree_verify if kernel else tree_verify.tree_verify_ref
+        return fn(logits, *args, **_options_for(kernel, kwargs))
+
+
+def _options_for(kernel: bool, kwargs: dict) -> dict:
+    dropped = REFERENCE_HINTS if kernel else KERNEL_KNOBS
+    return {name: value for name, value in kwargs.items() if name not in dropped}

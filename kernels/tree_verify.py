@@ -20,7 +20,8 @@ the target exactly.
 
 Processed distribution: z = logits / temperature; top-k keeps z >= the k-th largest z
 (ties kept); top-p then keeps z >= t, t the largest kept value whose kept mass at or above
-it is >= top_p (ties kept). top_k 0 and top_p 1 switch them off.
+it is >= top_p (ties kept). top_k 0 and top_p 1 switch them off. Its statistics, cut-off
+search and PyTorch reference are sampling.py's, shared with verify.py.
 """
 from dataclasses import dataclass
 
@@ -29,10 +30,11 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
+from .sampling import (NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z, may_read, probs_ref,
+                       processed_ref, row_cutoff, row_settings, row_stats)
 
 MAX_BLOCK_V = 1024
 NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
-SEARCH_WAYS = tl.constexpr(8)  # thresholds tested per sweep of the top-k / top-p search
 PADDED_PARENT = -2
 
 
@@ -44,105 +46,14 @@ class TreeVerifyResult:
 
 
 @triton.jit
-def _scaled_logits(row_ptr, offs, V, temperature):
-    return tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temperature
-
-
-@triton.jit
-def _order_key(x):
-    # fp32 -> int32 with the same order (-0.0 just below +0.0): a search on keys is exact.
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def _from_order_key(key):
-    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _argmax_update(best_score, best_index, scores, start):
-    # Strictly greater across blocks and tl.argmax within one: ties go to the first index.
-    block_best = tl.max(scores, axis=0)
-    take = block_best > best_score
-    best_index = tl.where(take, start + tl.argmax(scores, axis=0), best_index)
-    return tl.maximum(best_score, block_best), best_index
-
-
-@triton.jit
-def _logits_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
-    best_score = float("-inf")
-    best_index = 0
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        scores = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        best_score, best_index = _argmax_update(best_score, best_index, scores, start)
-    return best_index
-
-
-@triton.jit
-def _scaled_max(row_ptr, V, temperature, BLOCK_V: tl.constexpr):
-    row_max = float("-inf")
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        row_max = tl.maximum(row_max, tl.max(_scaled_logits(row_ptr, offs, V, temperature), axis=0))
-    return row_max
-
-
-@triton.jit
-def _amounts_at_least(row_ptr, V, temperature, row_max, thresholds, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """For each of a block of thresholds: how many entries (or how much exp(z - row_max)
-    mass) have z >= threshold."""
-    totals = tl.zeros(thresholds.shape, tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        z = _scaled_logits(row_ptr, offs, V, temperature)
-        if BY_MASS:
-            amount = tl.exp(z - row_max)
-        else:
-            amount = tl.full([BLOCK_V], 1.0, tl.float32)
-        keep = (offs < V)[:, None] & (z[:, None] >= thresholds[None, :])
-        totals += tl.sum(tl.where(keep, amount[:, None], 0.0), axis=0)
-    return totals
-
-
-@triton.jit
-def _kept_mass(row_ptr, V, temperature, row_max, threshold, BLOCK_V: tl.constexpr):
-    thresholds = tl.full([1], threshold, tl.float32)
-    return tl.sum(_amounts_at_least(row_ptr, V, temperature, row_max, thresholds, True, BLOCK_V), axis=0)
-
-
-@triton.jit
-def _largest_threshold(row_ptr, V, temperature, row_max, floor, goal, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The largest t in [floor, row_max] with amount_at_least(t) >= goal (true at floor).
-
-    Search on order keys, so it ends exactly on an entry of z (ties kept, as the spec says).
-    Each sweep tests SEARCH_WAYS candidates spread over (lo, hi]: ~11 sweeps over V for the
-    32-bit key range instead of 32 for plain bisection."""
-    lo = _order_key(floor)
-    hi = _order_key(row_max)
-    ways = tl.arange(0, SEARCH_WAYS)
-    while lo < hi:
-        # hi first, the last one just above lo; int64 because hi - lo can exceed 2^31.
-        candidates = (hi - ((hi.to(tl.int64) - lo - 1) * ways) // SEARCH_WAYS).to(tl.int32)
-        amounts = _amounts_at_least(row_ptr, V, temperature, row_max, _from_order_key(candidates), BY_MASS, BLOCK_V)
-        enough = amounts >= goal  # true below the answer, false above it
-        lo = tl.maximum(lo, tl.max(tl.where(enough, candidates, lo), axis=0))
-        hi = tl.min(tl.where(enough, hi, candidates - 1), axis=0)
-    return _from_order_key(lo)
-
-
-@triton.jit
-def _write_target_probs(row_ptr, residual_ptr, V, temperature, row_max, threshold, kept_mass, BLOCK_V: tl.constexpr):
-    """residual = p_v; returns its sum."""
+def _write_target_probs(row_ptr, residual_ptr, V, divisor, lse, threshold, BLOCK_V: tl.constexpr):
+    """residual = p_v = exp(z - lse) where z >= threshold; returns its sum."""
     tl.debug_barrier()  # see _tree_verify_kernel: workspace writes are fenced on both sides
     total = 0.0
     for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        z = _scaled_logits(row_ptr, offs, V, temperature)
-        p = tl.where((offs < V) & (z >= threshold), tl.exp(z - row_max) / kept_mass, 0.0)
-        tl.store(residual_ptr + offs, p, mask=offs < V)
+        offs, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK_V)
+        p = tl.where(in_row & (z >= threshold), tl.exp(z - lse), 0.0)
+        tl.store(residual_ptr + offs, p, mask=in_row)
         total += tl.sum(p, axis=0)
     tl.debug_barrier()
     return total
@@ -176,9 +87,8 @@ def _sample_residual(residual_ptr, V, seed, counter, BLOCK_V: tl.constexpr):
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         w = tl.load(residual_ptr + offs, mask=offs < V, other=0.0)
-        log_w = tl.log(tl.where(w > 0.0, w, 1.0))  # log(0) = -inf, without a warning
-        scores = tl.where(w > 0.0, log_w + gumbel(seed, counter, 1 + offs), float("-inf"))
-        best_score, best_index = _argmax_update(best_score, best_index, scores, start)
+        log_w = tl.where(w > 0.0, tl.log(tl.where(w > 0.0, w, 1.0)), float("-inf"))  # log(0) = -inf, no warning
+        best_score, best_index = gumbel_update(log_w, gumbel(seed, counter, 1 + offs), start, best_score, best_index)
     return best_index
 
 
@@ -186,18 +96,17 @@ def _sample_residual(residual_ptr, V, seed, counter, BLOCK_V: tl.constexpr):
 def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, stride_dn,
                         tokens_ptr, parents_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
                         residual_ptr, num_accepted_ptr, accepted_nodes_ptr, next_token_ptr, N, V,
-                        HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
+                        HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                        NUM_PIVOTS: tl.constexpr):
     """One program per row. The residual p' lives in the row's workspace, written in blocks
     but read back one element at a time (p'(c), which any thread may have stored): every
     write is fenced by barriers on both sides, so no thread reads a stale or a future value.
     All branch conditions are per-row scalars, the same in every thread."""
     b = tl.program_id(0).to(tl.int64)
-    temperature = tl.load(temperature_ptr + b)
-    top_k = tl.load(top_k_ptr + b)
-    top_p = tl.load(top_p_ptr + b)
+    sampling, divisor, top_k, top_p, by_count, by_mass = row_settings(temperature_ptr, top_k_ptr, top_p_ptr, b, V)
+    greedy = ~sampling
     seed = tl.load(seed_ptr + b)
     offset = tl.load(offset_ptr + b)
-    greedy = temperature == 0.0
     tokens_row = tokens_ptr + b * N
     parents_row = parents_ptr + b * N
     residual_row = residual_ptr + b * V  # p' of the current node, unnormalised, sum = mass
@@ -208,25 +117,17 @@ def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, 
         if searching:
             node_logits = logits_ptr + b * stride_lb + node * stride_ln
             counter = offset + depth
-            best = 0
-            row_max = 0.0
-            threshold = 0.0
-            kept_mass = 1.0
+            # Greedy rows: divisor 1, so best is the argmax of the raw logits.
+            row_max, row_sum, row_min, best, _, _ = row_stats(node_logits, 0, V, V, divisor, seed, counter, False,
+                                                              BLOCK_V)
+            threshold = float("-inf")
+            lse = 0.0
             mass = 0.0
-            if greedy:
-                best = _logits_argmax(node_logits, V, BLOCK_V)
-            else:
-                row_max = _scaled_max(node_logits, V, temperature, BLOCK_V)
-                threshold = float("-inf")
-                if (top_k > 0) & (top_k < V):
-                    threshold = _largest_threshold(node_logits, V, temperature, row_max, threshold,
-                                                   top_k.to(tl.float32), False, BLOCK_V)
-                if top_p < 1.0:
-                    goal = top_p * _kept_mass(node_logits, V, temperature, row_max, threshold, BLOCK_V)
-                    threshold = _largest_threshold(node_logits, V, temperature, row_max, threshold, goal, True, BLOCK_V)
-                kept_mass = _kept_mass(node_logits, V, temperature, row_max, threshold, BLOCK_V)
-                mass = _write_target_probs(node_logits, residual_row, V, temperature, row_max, threshold,
-                                           kept_mass, BLOCK_V)
+            if sampling:
+                threshold, kept_mass = row_cutoff(node_logits, V, divisor, row_max, row_sum, row_min, by_count,
+                                                  by_mass, top_k, top_p, SEARCH_BLOCK, NUM_PIVOTS)
+                lse = row_max + tl.log(kept_mass)
+                mass = _write_target_probs(node_logits, residual_row, V, divisor, lse, threshold, BLOCK_V)
 
             chosen = -1
             tried = 0
@@ -254,17 +155,18 @@ def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, 
                 node = chosen
             else:
                 emitted = best
-                if not greedy:
+                if sampling:
                     if mass <= 0.0:  # p' vanished in floating point: sample p_v instead
-                        _write_target_probs(node_logits, residual_row, V, temperature, row_max, threshold,
-                                            kept_mass, BLOCK_V)
+                        _write_target_probs(node_logits, residual_row, V, divisor, lse, threshold, BLOCK_V)
                     emitted = _sample_residual(residual_row, V, seed, counter, BLOCK_V)
                 tl.store(next_token_ptr + b, emitted.to(tl.int64))
                 tl.store(num_accepted_ptr + b, depth)
                 searching = False
 
 
-def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset) -> None:
+def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset, check_values=True,
+                  max_top_k=None) -> None:
+    """Shapes, dtypes and devices always; tensor values only on the CPU with check_values."""
     if logits.dim() != 3 or min(logits.shape) < 1:
         raise ValueError(f"logits must be [B, N, V] with B, N, V >= 1, got {tuple(logits.shape)}")
     if not logits.is_floating_point():
@@ -286,7 +188,7 @@ def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_
     tensors = [logits, tokens, parents, temperature, top_k, top_p, seed, offset] + ([draft_probs] if draft_probs is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in tensors]}")
-    if logits.is_cuda:
+    if logits.is_cuda or not check_values:
         return  # as in verify.py: checking the values below would cost a host sync on every step
     index = torch.arange(nodes, device=parents.device)
     padded = parents == PADDED_PARENT
@@ -299,13 +201,12 @@ def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_
         raise ValueError("padded nodes (parent -2) must come after every real node of their row")
     if ((tokens < 0) | (tokens >= vocab))[real].any():
         raise ValueError(f"draft tokens must be in [0, V={vocab})")
-    if (temperature < 0).any() or (top_k < 0).any() or ((top_p <= 0) | (top_p > 1)).any():
-        raise ValueError("need temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off)")
+    check_settings(temperature, top_k, top_p, vocab, max_top_k)
 
 
 def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
                 temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                offset: torch.Tensor) -> TreeVerifyResult:
+                offset: torch.Tensor, *, check_values: bool = True) -> TreeVerifyResult:
     """Verify one token tree per row; see the module docstring for the rule.
 
     logits       [B, N, V] float  target logits at every node (fp32 / bf16 / fp16)
@@ -314,12 +215,13 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     draft_probs  None (deterministic children) or [B, N, V] float: the q node i was drawn from
     temperature  [B] float (0 = greedy), top_k [B] int (0 = off), top_p [B] float (1 = off)
     seed, offset [B] int64 counter-based randomness: depth d uses counter offset + d
+    check_values False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
     Returns TreeVerifyResult(num_accepted [B] int32, accepted_nodes [B, N] int64, next_token [B] int64).
 
     One program per row walks the tree; the residual p' lives in a float32 workspace [B, V]
     allocated here (4 * B * V bytes).
     """
-    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset)
+    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset, check_values)
     batch, nodes, vocab = logits.shape
     device = logits.device
     if logits.stride(-1) != 1:
@@ -328,6 +230,7 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     if draft.stride(-1) != 1:
         draft = draft.contiguous()
     residual = torch.empty(batch, vocab, dtype=torch.float32, device=device)
+    block_v, search_block, _ = block_sizes(vocab, MAX_BLOCK_V)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
@@ -337,48 +240,35 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
         temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
         top_p.to(torch.float32).contiguous(), seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous(),
         residual, num_accepted, accepted_nodes, next_token, nodes, vocab,
-        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=min(triton.next_power_of_2(vocab), MAX_BLOCK_V),
+        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS,
         num_warps=NUM_WARPS)
     return TreeVerifyResult(num_accepted, accepted_nodes, next_token)
 
 
-def _processed_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                        top_p: torch.Tensor) -> torch.Tensor:
-    """[B, N, V] logits -> [B, N, V] float32 sampling distributions of each row's settings
-    (temperature, top-k, top-p as in the module docstring). Greedy rows get softmax(logits)."""
-    batch, nodes, vocab = logits.shape
-    temperature = torch.where(temperature > 0, temperature, 1).to(torch.float32).view(batch, 1, 1)
-    z = logits.float() / temperature
-    ranked = z.sort(dim=-1, descending=True).values
-    row_max = ranked[..., :1]
-    k = top_k.long().view(batch, 1, 1)
-    kth_largest = ranked.gather(-1, (k - 1).clamp(0, vocab - 1).expand(batch, nodes, 1))
-    threshold = torch.where((k > 0) & (k < vocab), kth_largest, float("-inf"))
-    # Top-p: the first ranked value whose cumulative kept mass reaches top_p * kept mass; a tie
-    # group's later members only add mass, so the first index that reaches it is the answer.
-    kept_exp = torch.where(ranked >= threshold, torch.exp(ranked - row_max), 0)
-    goal = top_p.to(torch.float32).view(batch, 1, 1) * kept_exp.sum(-1, keepdim=True)
-    first = (kept_exp.cumsum(-1) < goal).sum(-1, keepdim=True).clamp(max=vocab - 1)
-    top_p_threshold = torch.maximum(threshold, ranked.gather(-1, first))
-    threshold = torch.where(top_p.view(batch, 1, 1) < 1, top_p_threshold, threshold)
-    kept = torch.where(z >= threshold, torch.exp(z - row_max), 0)
-    return kept / kept.sum(-1, keepdim=True)
-
-
 def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
                     temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                    offset: torch.Tensor) -> TreeVerifyResult:
+                    offset: torch.Tensor, *, all_greedy: bool | None = None, filtered: bool | None = None,
+                    max_top_k: int | None = None, check_values: bool = True) -> TreeVerifyResult:
     """PyTorch twin of `tree_verify`: same arguments, same random numbers, same result.
-    Vectorised over rows; Python loops over depth and over child slots (N * N small steps)."""
-    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset)
+    Vectorised over rows; Python loops over depth and over child slots (N * N / 2 small steps),
+    fixed shapes throughout. Host-known hints (None = look on CPU tensors, the general case on a
+    device; with them and check_values=False nothing reads the device):
+    all_greedy  every row has temperature 0: only each node's argmax is needed
+    filtered, max_top_k  as in sampling.processed_ref
+    """
+    _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset, check_values,
+                  max_top_k)
     batch, nodes, vocab = logits.shape
     device = logits.device
     rows = torch.arange(batch, device=device)
     seed, offset, tokens, parents = seed.long(), offset.long(), tokens.long(), parents.long()
     greedy = temperature == 0
-    if bool(greedy.all()):  # no distribution is needed: only each node's argmax
-        return _greedy_tree_verify_ref(logits, tokens.long(), parents.long())
-    probs = _processed_probs_ref(logits, temperature, top_k, top_p)
+    if all_greedy is None:
+        all_greedy = may_read(greedy) and bool(greedy.all())
+    if all_greedy:
+        return _greedy_tree_verify_ref(logits, tokens, parents)
+    per_node = [s.repeat_interleave(nodes) for s in (temperature, top_k, top_p)]
+    probs = probs_ref(*processed_ref(logits.reshape(-1, vocab), *per_node, filtered, max_top_k)).view(logits.shape)
     best = logits.argmax(-1)  # [B, N] greedy choice after each node; ties -> first index
     gumbel_index = 1 + torch.arange(vocab, device=device)
 
@@ -388,14 +278,12 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.zeros(batch, dtype=torch.int64, device=device)
     for depth in range(nodes):
-        if not searching.any():
-            break
         counter = offset + depth
         residual = probs[rows, node]  # p', unnormalised; its sum is `mass`
         mass = residual.sum(-1)
         chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
         tried = torch.zeros(batch, dtype=torch.int64, device=device)
-        for child in range(1, nodes):
+        for child in range(depth + 1, nodes):  # a node at depth d has index >= d, its children > d
             trying = searching & (parents[:, child] == node) & (chosen < 0)
             token = torch.where(trying, tokens[:, child], 0)
             u_mass = uniform_ref(seed, counter, 1 + vocab + tried) * mass  # u * q(c) < residual[c] / mass
@@ -419,7 +307,7 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         next_token = torch.where(stopping, torch.where(greedy, best[rows, node], sampled), next_token)
         num_accepted = torch.where(stopping, depth, num_accepted)
         moved = searching & ~stopping
-        accepted_nodes[moved, depth] = chosen[moved]
+        accepted_nodes[:, depth] = torch.where(moved, chosen, -1)
         node = torch.where(moved, chosen, node)
         searching = moved
     return TreeVerifyResult(num_accepted, accepted_nodes, next_token)
@@ -446,6 +334,4 @@ def _greedy_tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents:
         accepted_nodes[:, depth] = torch.where(found, chosen, -1)
         node = torch.where(found, chosen, node)
         searching = found
-        if not bool(searching.any()):
-            break
     return TreeVerifyResult(num_accepted, accepted_nodes, best[rows, node])

@@ -7,33 +7,30 @@ Processed distribution of a sampling row (temperature T > 0): z = logits / T. To
 z >= the k-th largest z (ties kept); top-p then keeps z >= t, t the largest kept value whose
 kept mass at or above it reaches top_p (ties kept). p_j = softmax over the kept entries.
 `threshold` is the smallest kept z, -inf when neither filter is on (top_k = 0 or >= V, top_p = 1).
+The helpers that compute it, on the device and in PyTorch, live in sampling.py.
 
-Sampling rows: accept x_j iff u_j * q_j(x_j) < l * p_j(x_j), u_j = uniform(seed, offset + j, 0),
-q_j one-hot (q_j(x_j) = 1) without draft_probs. At the first rejection j emit
-argmax_y log r_j(y) + gumbel(seed, offset + j, 1 + y), r_j = max(0, p_j - min(q_j, l p_j)), or a
-sample of p_j where r_j vanished in floating point; with all n accepted emit the bonus
+Sampling rows: accept x_j iff u_j * q_j(x_j) < l_b * p_j(x_j), u_j = uniform(seed, offset + j, 0),
+q_j one-hot (q_j(x_j) = 1) without draft_probs, l_b the row's lenience. At the first rejection j
+emit argmax_y log r_j(y) + gumbel(seed, offset + j, 1 + y), r_j = max(0, p_j - min(q_j, l_b p_j)),
+or a sample of p_j where r_j vanished in floating point; with all n accepted emit the bonus
 argmax_y z_y + gumbel(seed, offset + n, 1 + y) over the kept y.
 Greedy rows (T = 0): accept x_j while x_j == argmax logits[b, j] (first index on ties) or, with
-l > 1, l * softmax(logits[b, j])[x_j] > q_j(x_j); emit the argmax where that fails or at n.
+l_b > 1, l_b * softmax(logits[b, j])[x_j] > q_j(x_j); emit the argmax where that fails or at n.
 
-Kernel: two launches.
-* `_position_kernel`, grid (B, k+1): one program per (row, position <= n) sweeps V once with an
-  online max / sum / argmax, finds the top-k / top-p cut-off if the row asks for one, and stores
-  lse, threshold and the accept test of x_j. At the bonus position of an unfiltered sampling row
-  the same sweep also draws the bonus token, so plain sampling (k = 0) reads the logits once.
-  Greedy rows stop after that one sweep (their lse costs one exp per entry).
-* `_emit_kernel`, grid (B,): the first rejected position from the stored tests, then one more
-  sweep over V only where a sampling row needs it (residual at a rejection, filtered bonus).
-No [B, k+1, V] probability tensor is ever written.
-
-Cut-off search: the cut-off is always one of the row's z values, so it is searched exactly over
-the int32 "ordered keys" of fp32 values (integers whose order is the float order). Each sweep
-counts the entries (top-k) or sums their exp(z - max) mass (top-p) at 16 evenly spaced keys of
-the current key range, keeps the sub-range where the answer lies and shrinks it to the entries
-inside: at most 9 sweeps for the 2^32 keys (a plain bisection needs 32), fewer once the range
-holds a single entry. The reference finds the same entry with a partial sort. Their fp32 mass
-sums round differently, so a top_p within rounding of 1 may end the nucleus at different tail
-entries, whose mass is below that rounding; elsewhere the two agree exactly.
+Kernel: four launches, grids from shapes only (CUDA-graph capturable, no host reads). A split is
+one of S contiguous slices of the vocabulary; S is chosen from B * (k+1) so that small batches
+still fill the GPU (S = 1 at large batch).
+* `_stats_kernel`, grid (B, k+1, S): per split, an online max / sum / min / argmax and, at the
+  bonus position of an unfiltered sampling row, the Gumbel-max bonus candidate.
+* `_position_kernel`, grid (B, k+1): merges the splits (max, rescaled sums, first-index argmax:
+  exactly the whole-row result), finds the top-k / top-p cut-off if the row asks for one (a
+  per-row search, only on filtered rows) and stores lse, threshold and the accept test of x_j.
+* `_emit_split_kernel`, grid (B, S): the first rejected position from the stored tests, then,
+  only where a sampling row needs it (residual at a rejection, filtered bonus), the split's
+  candidates of the residual and of p.
+* `_emit_kernel`, grid (B,): merges those candidates into next_token.
+A Gumbel-max over the whole row is the max over the splits' maxima with ties to the earlier
+split, so every token is the one a single sweep draws. No [B, k+1, V] tensor is ever written.
 """
 from dataclasses import dataclass
 
@@ -42,10 +39,13 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
+from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z,
+                       merge_argmax, merge_stats, probs_ref, processed_ref, resolve_filtered, row_cutoff,
+                       row_settings, row_stats)
 
-MAX_BLOCK_V = 2048
-MAX_SEARCH_BLOCK = 256  # the cut-off search works on [block, NUM_PIVOTS] tiles: they must fit in registers
-NUM_PIVOTS = 16
+MIN_SPLIT = 2048  # vocabulary entries per split at least (auto splits): a program's sweep stays worth a launch
+PROGRAMS_PER_SM = 4  # auto splits aim at this many programs per SM for the statistics sweep
+INTERPRETER_SMS = 132  # an H100's count, for the plan when there is no GPU to ask
 
 
 @dataclass
@@ -58,134 +58,66 @@ class VerifyResult:
 
 
 @triton.jit
-def _ordered_key(x):
-    # Negative floats get their magnitude bits reversed; the same map turns a key back into bits.
-    bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    bits = key.to(tl.int32)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_z(row_ptr, start, V, divisor, BLOCK: tl.constexpr):
-    """Processed logits of one block; -inf past the end of the row."""
-    offs = start + tl.arange(0, BLOCK)
-    in_row = offs < V
-    raw = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
-    return offs, in_row, tl.math.div_rn(raw, divisor)  # correctly rounded, as torch divides
-
-
-@triton.jit
-def _argmax_update(scores, start, best_score, best_index):
-    """Running argmax over blocks; ties go to the first index."""
-    block_best, block_index = tl.max(scores, 0, return_indices=True, return_indices_tie_break_left=True)
-    better = block_best > best_score
-    return tl.where(better, block_best, best_score), tl.where(better, start + block_index, best_index)
-
-
-@triton.jit
-def _row_stats(row_ptr, V, divisor, seed, counter, with_sample, BLOCK_V: tl.constexpr):
-    """One sweep: max, sum of exp(z - max), min, argmax and, if with_sample, a Gumbel-max sample of softmax(z)."""
-    row_max = float("-inf")
-    row_sum = 0.0
-    row_min = float("inf")
-    argmax = 0
-    best_noisy = float("-inf")
-    sample = 0
-    for start in range(0, V, BLOCK_V):
-        offs, in_row, z = _load_z(row_ptr, start, V, divisor, BLOCK_V)
-        previous_max = row_max
-        row_max, argmax = _argmax_update(z, start, row_max, argmax)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)  # keeps exp() away from -inf - -inf
-        row_sum = row_sum * tl.exp(previous_max - shift) + tl.sum(tl.exp(z - shift), 0)
-        row_min = tl.minimum(row_min, tl.min(tl.where(in_row, z, float("inf")), 0))
-        if with_sample:
-            best_noisy, sample = _argmax_update(z + gumbel(seed, counter, offs + 1), start, best_noisy, sample)
-    return row_max, row_sum, row_min, argmax, sample
-
-
-@triton.jit
-def _cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo, goal,
-                   BY_MASS: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """The largest entry z whose amount of entries >= z reaches `goal`: their count, or (BY_MASS)
-    their mass sum exp(z - row_max). The answer's key lies in [key_lo, key_hi], key_lo is an entry
-    that reaches the goal and mass_lo its mass. Returns the answer's key and mass."""
-    pivot_ids = tl.arange(0, NUM_PIVOTS)
-    while key_lo < key_hi:
-        step = (key_hi - key_lo) // NUM_PIVOTS + 1
-        pivot_keys = tl.minimum(key_lo + step * pivot_ids, key_hi)
-        pivot_values = _key_value(pivot_keys)
-        count = tl.zeros([NUM_PIVOTS], tl.float32)
-        mass = tl.zeros([NUM_PIVOTS], tl.float32)
-        first_above = tl.full([NUM_PIVOTS], float("inf"), tl.float32)  # smallest entry >= each pivot
-        last_below = tl.full([NUM_PIVOTS], float("-inf"), tl.float32)  # largest entry < each pivot
-        for start in range(0, V, BLOCK):
-            offs, in_row, z = _load_z(row_ptr, start, V, divisor, BLOCK)
-            above = in_row[:, None] & (z[:, None] >= pivot_values[None, :])
-            count += tl.sum(above.to(tl.float32), 0)
-            mass += tl.sum(tl.where(above, tl.exp(z - row_max)[:, None], 0.0), 0)
-            first_above = tl.minimum(first_above, tl.min(tl.where(above, z[:, None], float("inf")), 0))
-            last_below = tl.maximum(last_below, tl.max(tl.where(above, float("-inf"), z[:, None]), 0))
-        if BY_MASS:
-            amount = mass
-        else:
-            amount = count
-        # The answer lies between the last pivot that reaches the goal (pivot 0 = key_lo always
-        # does) and the next; snapping both ends to entries ends the search once one is left.
-        # (The max() guards against -0.0 == +0.0 whose keys differ: the range must shrink.)
-        best = tl.max(tl.where(amount >= goal, pivot_ids, 0), 0)
-        mass_lo = tl.sum(tl.where(pivot_ids == best, mass, 0.0), 0)
-        entry_above = _ordered_key(tl.sum(tl.where(pivot_ids == best, first_above, 0.0), 0))
-        key_lo = tl.maximum(tl.sum(tl.where(pivot_ids == best, pivot_keys, 0), 0), entry_above)
-        below_next = tl.sum(tl.where(pivot_ids == best + 1, last_below, 0.0), 0)
-        key_hi = tl.where(best + 1 < NUM_PIVOTS, _ordered_key(below_next), key_hi)
-    return key_lo, mass_lo
+def _stats_kernel(logits_ptr, stride_lb, stride_lj, num_drafts_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
+                  offset_ptr, split_values_ptr, split_indices_ptr, V, K, CHUNK, SPLITS, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    position = tl.program_id(1)
+    split = tl.program_id(2)
+    num_drafts = tl.minimum(tl.load(num_drafts_ptr + row).to(tl.int32), K)  # never read past the draft
+    if position <= num_drafts:
+        sampling, divisor, _, _, by_count, by_mass = row_settings(temperature_ptr, top_k_ptr, top_p_ptr, row, V)
+        fused_bonus = sampling & (position == num_drafts) & ~(by_count | by_mass)
+        lo = split * CHUNK
+        row_max, row_sum, row_min, argmax, best_noisy, sample = row_stats(
+            logits_ptr + row * stride_lb + position * stride_lj, lo, lo + CHUNK, V, divisor, tl.load(seed_ptr + row),
+            tl.load(offset_ptr + row) + position, fused_bonus, BLOCK_V)
+        values = split_values_ptr + ((row * (K + 1) + position) * 4) * SPLITS + split  # [B, k+1, 4, S]
+        tl.store(values, row_max)
+        tl.store(values + SPLITS, row_sum)
+        tl.store(values + 2 * SPLITS, row_min)
+        tl.store(values + 3 * SPLITS, best_noisy)
+        indices = split_indices_ptr + ((row * (K + 1) + position) * 2) * SPLITS + split  # [B, k+1, 2, S]
+        tl.store(indices, argmax)
+        tl.store(indices + SPLITS, sample)
 
 
 @triton.jit
 def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
                      draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
-                     offset_ptr, lenience, lse_ptr, threshold_ptr, accepted_ptr, token_ptr, V, K,
-                     HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                     NUM_PIVOTS: tl.constexpr):
+                     offset_ptr, lenience_ptr, split_values_ptr, split_indices_ptr, lse_ptr, threshold_ptr,
+                     accepted_ptr, token_ptr, V, K, SPLITS, HAS_DRAFT_PROBS: tl.constexpr,
+                     SPLITS_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     position = tl.program_id(1)
-    num_drafts = tl.minimum(tl.load(num_drafts_ptr + row).to(tl.int32), K)  # never read past the draft
+    num_drafts = tl.minimum(tl.load(num_drafts_ptr + row).to(tl.int32), K)
     if position <= num_drafts:
-        temperature = tl.load(temperature_ptr + row)
-        sampling = temperature > 0.0
-        divisor = tl.where(sampling, temperature, 1.0)
-        top_k = tl.load(top_k_ptr + row).to(tl.int32)
-        top_p = tl.load(top_p_ptr + row)
-        by_count = sampling & (top_k > 0) & (top_k < V)
-        by_mass = sampling & (top_p < 1.0)
-        filtered = by_count | by_mass
+        sampling, divisor, top_k, top_p, by_count, by_mass = row_settings(temperature_ptr, top_k_ptr, top_p_ptr,
+                                                                          row, V)
+        fused_bonus = sampling & (position == num_drafts) & ~(by_count | by_mass)
         seed = tl.load(seed_ptr + row)
         counter = tl.load(offset_ptr + row) + position
         row_ptr = logits_ptr + row * stride_lb + position * stride_lj
-
-        fused_bonus = sampling & (position == num_drafts) & ~filtered
-        row_max, mass_lo, row_min, argmax, sample = _row_stats(row_ptr, V, divisor, seed, counter, fused_bonus, BLOCK_V)
-        key_lo = _ordered_key(row_min)
-        if by_count:
-            key_lo, mass_lo = _cutoff_search(row_ptr, V, divisor, row_max, key_lo, _ordered_key(row_max), mass_lo,
-                                             top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
-        if by_mass:
-            key_lo, mass_lo = _cutoff_search(row_ptr, V, divisor, row_max, key_lo, _ordered_key(row_max), mass_lo,
-                                             top_p * mass_lo, True, SEARCH_BLOCK, NUM_PIVOTS)
-        threshold = tl.where(filtered, _key_value(key_lo), float("-inf"))
-        lse = row_max + tl.log(mass_lo)
-
         out = row * (K + 1) + position
+
+        splits = tl.arange(0, SPLITS_BLOCK)
+        real = splits < SPLITS
+        values = split_values_ptr + out * 4 * SPLITS + splits
+        indices = split_indices_ptr + out * 2 * SPLITS + splits
+        row_max, row_sum, row_min, argmax, _, sample = merge_stats(
+            tl.load(values, mask=real, other=float("-inf")), tl.load(values + SPLITS, mask=real, other=0.0),
+            tl.load(values + 2 * SPLITS, mask=real, other=float("inf")),
+            tl.load(indices, mask=real, other=2147483647),
+            tl.load(values + 3 * SPLITS, mask=real, other=float("-inf")),
+            tl.load(indices + SPLITS, mask=real, other=2147483647))
+        threshold, kept_mass = row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass, top_k,
+                                          top_p, SEARCH_BLOCK, NUM_PIVOTS)
+        lse = row_max + tl.log(kept_mass)
         tl.store(lse_ptr + out, lse)
         tl.store(threshold_ptr + out, threshold)
-        # The token emitted here if no draft before it is rejected; -1: _emit_kernel draws it.
+        # The token emitted here if no draft before it is rejected; -1: the emit kernels draw it.
         tl.store(token_ptr + out, tl.where(sampling, tl.where(fused_bonus, sample, -1), argmax))
         if position < num_drafts:
+            lenience = tl.load(lenience_ptr + row)
             token = tl.load(draft_tokens_ptr + row * stride_db + position)
             z_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), divisor)
             p_token = tl.where(z_token >= threshold, tl.exp(z_token - lse), 0.0)
@@ -199,60 +131,95 @@ def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_
 
 
 @triton.jit
-def _sample_emitted(row_ptr, q_row_ptr, V, divisor, lse, threshold, draft_token, is_draft, lenience, seed, counter,
-                    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Gumbel-max sample of the residual r at a rejected draft, else (bonus, or r vanished) of p."""
-    residual_best = float("-inf")
-    residual_token = 0
-    plain_best = float("-inf")
-    plain_token = 0
-    for start in range(0, V, BLOCK_V):
-        offs, in_row, z = _load_z(row_ptr, start, V, divisor, BLOCK_V)
-        kept = in_row & (z >= threshold)
-        noise = gumbel(seed, counter, offs + 1)
-        p = tl.where(kept, tl.exp(z - lse), 0.0)
-        if HAS_DRAFT_PROBS:
-            q = tl.load(q_row_ptr + offs, mask=in_row & is_draft, other=0.0).to(tl.float32)
-        else:
-            q = (offs == draft_token).to(tl.float32)
-        residual = tl.maximum(p - tl.minimum(q, lenience * p), 0.0)
-        residual_best, residual_token = _argmax_update(tl.log(residual) + noise, start, residual_best,
-                                                       residual_token)  # log 0 = -inf: never chosen
-        plain_best, plain_token = _argmax_update(tl.where(kept, z + noise, float("-inf")), start, plain_best,
-                                                 plain_token)
-    return tl.where(is_draft & (residual_best > float("-inf")), residual_token, plain_token)
-
-
-@triton.jit
-def _emit_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
-                 draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, seed_ptr, offset_ptr, lenience, lse_ptr,
-                 threshold_ptr, accepted_ptr, token_ptr, num_accepted_ptr, next_token_ptr, V, K,
-                 HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, POSITIONS_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _emit_position(accepted_ptr, num_drafts_ptr, token_ptr, temperature_ptr, row, K,
+                   POSITIONS_BLOCK: tl.constexpr):
+    """Where row `row` emits (its first rejected draft, else num_drafts), whether that is a draft
+    position, the token stored there and whether a sampling sweep must draw it instead."""
     num_drafts = tl.minimum(tl.load(num_drafts_ptr + row).to(tl.int32), K)
     positions = tl.arange(0, POSITIONS_BLOCK)
     in_draft = positions < num_drafts
     accepted = tl.load(accepted_ptr + row * (K + 1) + positions, mask=in_draft, other=1)
     emit_at = tl.min(tl.where(in_draft & (accepted == 0), positions, num_drafts), 0)
-    tl.store(num_accepted_ptr + row, emit_at)
-
-    out = row * (K + 1) + emit_at
-    next_token = tl.load(token_ptr + out)
     is_draft = emit_at < num_drafts
-    temperature = tl.load(temperature_ptr + row)
-    if (temperature > 0.0) & (is_draft | (next_token < 0)):
+    token = tl.load(token_ptr + row * (K + 1) + emit_at)
+    must_draw = (tl.load(temperature_ptr + row) > 0.0) & (is_draft | (token < 0))
+    return emit_at, is_draft, token, must_draw
+
+
+@triton.jit
+def _emit_split_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
+                       draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, seed_ptr, offset_ptr, lenience_ptr,
+                       lse_ptr, threshold_ptr, accepted_ptr, token_ptr, emit_values_ptr, emit_indices_ptr, V, K,
+                       CHUNK, SPLITS, HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr,
+                       POSITIONS_BLOCK: tl.constexpr):
+    """Per split: Gumbel-max candidates of the residual r at a rejected draft and of p (the bonus,
+    or where r vanished)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    emit_at, is_draft, _, must_draw = _emit_position(accepted_ptr, num_drafts_ptr, token_ptr, temperature_ptr, row,
+                                                     K, POSITIONS_BLOCK)
+    if must_draw:
+        out = row * (K + 1) + emit_at
+        row_ptr = logits_ptr + row * stride_lb + emit_at * stride_lj
+        q_row_ptr = draft_probs_ptr + row * stride_qb + emit_at * stride_qj
         draft_token = tl.load(draft_tokens_ptr + row * stride_db + emit_at, mask=is_draft, other=-1)
-        next_token = _sample_emitted(logits_ptr + row * stride_lb + emit_at * stride_lj,
-                                     draft_probs_ptr + row * stride_qb + emit_at * stride_qj, V, temperature,
-                                     tl.load(lse_ptr + out), tl.load(threshold_ptr + out), draft_token, is_draft,
-                                     lenience, tl.load(seed_ptr + row), tl.load(offset_ptr + row) + emit_at,
-                                     HAS_DRAFT_PROBS, BLOCK_V)
+        divisor = tl.load(temperature_ptr + row)
+        lse = tl.load(lse_ptr + out)
+        threshold = tl.load(threshold_ptr + out)
+        lenience = tl.load(lenience_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(offset_ptr + row) + emit_at
+        lo = split * CHUNK
+        residual_best = float("-inf")
+        residual_token = lo
+        plain_best = float("-inf")
+        plain_token = lo
+        for start in range(lo, lo + CHUNK, BLOCK_V):
+            offs, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK_V)
+            kept = in_row & (z >= threshold)
+            noise = gumbel(seed, counter, offs + 1)
+            p = tl.where(kept, tl.exp(z - lse), 0.0)
+            if HAS_DRAFT_PROBS:
+                q = tl.load(q_row_ptr + offs, mask=in_row & is_draft, other=0.0).to(tl.float32)
+            else:
+                q = (offs == draft_token).to(tl.float32)
+            residual = tl.maximum(p - tl.minimum(q, lenience * p), 0.0)
+            residual_best, residual_token = gumbel_update(tl.log(residual), noise, start, residual_best,
+                                                          residual_token)
+            plain_best, plain_token = gumbel_update(tl.where(kept, z, float("-inf")), noise, start, plain_best,
+                                                    plain_token)
+        values = emit_values_ptr + row * 2 * SPLITS + split  # [B, 2, S]
+        tl.store(values, residual_best)
+        tl.store(values + SPLITS, plain_best)
+        indices = emit_indices_ptr + row * 2 * SPLITS + split
+        tl.store(indices, residual_token)
+        tl.store(indices + SPLITS, plain_token)
+
+
+@triton.jit
+def _emit_kernel(num_drafts_ptr, temperature_ptr, accepted_ptr, token_ptr, emit_values_ptr, emit_indices_ptr,
+                 num_accepted_ptr, next_token_ptr, K, SPLITS, SPLITS_BLOCK: tl.constexpr,
+                 POSITIONS_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    emit_at, is_draft, next_token, must_draw = _emit_position(accepted_ptr, num_drafts_ptr, token_ptr,
+                                                              temperature_ptr, row, K, POSITIONS_BLOCK)
+    tl.store(num_accepted_ptr + row, emit_at)
+    if must_draw:
+        splits = tl.arange(0, SPLITS_BLOCK)
+        real = splits < SPLITS
+        values = emit_values_ptr + row * 2 * SPLITS + splits
+        indices = emit_indices_ptr + row * 2 * SPLITS + splits
+        residual_best, residual_token = merge_argmax(tl.load(values, mask=real, other=float("-inf")),
+                                                     tl.load(indices, mask=real, other=2147483647))
+        _, plain_token = merge_argmax(tl.load(values + SPLITS, mask=real, other=float("-inf")),
+                                      tl.load(indices + SPLITS, mask=real, other=2147483647))
+        next_token = tl.where(is_draft & (residual_best > float("-inf")), residual_token, plain_token)
     tl.store(next_token_ptr + row, next_token.to(tl.int64))
 
 
 def _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
-                  seed=None, offset=None) -> None:
-    """Shapes, dtypes, devices and lenience always; tensor values only on the CPU."""
+                  seed=None, offset=None, check_values=True, max_top_k=None) -> None:
+    """Shapes, dtypes, devices and a float lenience always; tensor values only on the CPU with check_values."""
     if logits.dim() != 3 or min(logits.shape) < 1:
         raise ValueError(f"logits must be [B, k+1, V] with B, k+1, V >= 1, got {list(logits.shape)}")
     batch, positions, vocab = logits.shape
@@ -273,23 +240,53 @@ def _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, to
             raise TypeError(f"{name} must be {'a floating' if floating else 'an integer'} tensor, got {t.dtype}")
         if t.device != logits.device:
             raise ValueError(f"{name} is on {t.device}, logits on {logits.device}: all inputs must share a device")
-    if not lenience >= 1.0:
+    if isinstance(lenience, torch.Tensor):
+        if tuple(lenience.shape) != (batch,) or not lenience.is_floating_point() or lenience.device != logits.device:
+            raise ValueError(f"lenience must be a float or a [B={batch}] float tensor on {logits.device}, got "
+                             f"{lenience.dtype} {list(lenience.shape)} on {lenience.device}")
+    elif not lenience >= 1.0:
         raise ValueError(f"lenience must be a float >= 1 (1 = exact verification), got {lenience}")
-    if logits.is_cuda:
+    if logits.is_cuda or not check_values:
         return  # checking the values below would cost a host sync on every decoding step
+    if isinstance(lenience, torch.Tensor) and not (lenience >= 1.0).all():
+        raise ValueError(f"lenience must be >= 1 (1 = exact verification), got {lenience.tolist()}")
     if ((num_drafts < 0) | (num_drafts > k)).any():
         raise ValueError(f"num_drafts must be in [0, k={k}], got {num_drafts.tolist()}")
     drafted = torch.arange(k) < num_drafts[:, None]
     if ((draft_tokens < 0) | (draft_tokens >= vocab))[drafted].any():
         raise ValueError(f"draft tokens (positions < num_drafts) must be in [0, V={vocab})")
-    if (temperature < 0).any() or (top_k < 0).any() or ((top_p <= 0) | (top_p > 1)).any():
-        raise ValueError("need temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), 0 < top_p <= 1 (1 = off)")
+    check_settings(temperature, top_k, top_p, vocab, max_top_k)
+
+
+def split_plan(batch: int, positions: int, vocab: int, splits: int | None = None,
+               device: torch.device | None = None) -> tuple[int, int, int]:
+    """(S, chunk, BLOCK_V) for the split sweeps, from shapes only: S splits of `chunk` entries
+    (a multiple of BLOCK_V) cover the vocabulary. splits=None: enough that B * (k+1) * S fills
+    the GPU's SMs PROGRAMS_PER_SM times over, each split at least MIN_SPLIT entries; an int forces
+    (at most) that many, e.g. 1 for one sweep per row or a few on a small vocabulary in tests."""
+    if splits is None:
+        sms = INTERPRETER_SMS
+        if device is not None and device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * positions), triton.cdiv(vocab, MIN_SPLIT))
+    per_split = triton.cdiv(vocab, max(1, min(splits, vocab)))
+    block_v = min(triton.next_power_of_2(per_split), MAX_BLOCK_V)
+    chunk = triton.cdiv(per_split, block_v) * block_v
+    return triton.cdiv(vocab, chunk), chunk, block_v
+
+
+def _lenience_rows(lenience: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """float or [B] -> [B] float32 on the device (a fill, not a copy: no transfer, graph-safe)."""
+    if isinstance(lenience, torch.Tensor):
+        return lenience.to(torch.float32).contiguous()
+    return torch.full((batch,), float(lenience), dtype=torch.float32, device=device)
 
 
 def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
            draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seed: torch.Tensor, offset: torch.Tensor, lenience: float = 1.0) -> VerifyResult:
-    """Verify a batch of ragged draft chains in two Triton launches; the rule is in the module docstring.
+           seed: torch.Tensor, offset: torch.Tensor, lenience: float | torch.Tensor = 1.0, *,
+           splits: int | None = None, check_values: bool = True) -> VerifyResult:
+    """Verify a batch of ragged draft chains in four Triton launches; the rule is in the module docstring.
 
     logits        [B, k+1, V] float   reviewer logits (any float dtype; fp32 math); k may be 0
     draft_tokens  [B, k]      int     draft j of row b; positions >= num_drafts[b] are ignored
@@ -297,11 +294,14 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     draft_probs   None (deterministic drafts, q one-hot) or [B, k, V] float: the q_j draft j was drawn from
     temperature   [B] float (0 = greedy), top_k [B] int (0 = off), top_p [B] float (1 = off)
     seed, offset  [B] int64   position j draws from counter offset + j
-    lenience      float >= 1, the same for the whole call
+    lenience      float >= 1 for every row, or [B] float (each >= 1), one per row
+    splits        vocabulary splits per (row, position): None = from the shapes (split_plan), an int forces it
+    check_values  False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
     Returns VerifyResult: num_accepted [B] int32, next_token [B] int64, lse / threshold [B, k+1] float32.
-    On CUDA only shapes, dtypes and devices are checked (the values would need a host sync).
+    Grids and workspaces depend on shapes only, so a call can be captured in a CUDA graph.
     """
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset)
+    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
+                  check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
     if logits.stride(-1) != 1:
@@ -310,104 +310,80 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
         draft_probs = draft_probs.contiguous()
     q = logits if draft_probs is None else draft_probs  # never read without draft probs
     draft_tokens = draft_tokens.contiguous()
-    row_inputs = (logits, logits.stride(0), logits.stride(1), draft_tokens, draft_tokens.stride(0),
-                  num_drafts.contiguous(), q, q.stride(0), q.stride(1), temperature.to(torch.float32).contiguous())
-    randomness = (seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous(), float(lenience))
+    num_drafts = num_drafts.contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    seed, offset = seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous()
+    lenience = _lenience_rows(lenience, batch, device)
+    num_splits, chunk, block_v = split_plan(batch, positions, vocab, splits, device)
+    splits_block = triton.next_power_of_2(num_splits)
+    _, search_block, search_warps = block_sizes(vocab)
+    sweep_warps = max(1, min(8, block_v // 256))
+    split_values = torch.empty(batch, positions, 4, num_splits, dtype=torch.float32, device=device)
+    split_indices = torch.empty(batch, positions, 2, num_splits, dtype=torch.int32, device=device)
     lse = torch.zeros(batch, positions, dtype=torch.float32, device=device)
     threshold = torch.zeros(batch, positions, dtype=torch.float32, device=device)
     accepted = torch.empty(batch, positions, dtype=torch.int8, device=device)
     token = torch.empty(batch, positions, dtype=torch.int32, device=device)
+    emit_values = torch.empty(batch, 2, num_splits, dtype=torch.float32, device=device)
+    emit_indices = torch.empty(batch, 2, num_splits, dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
-    block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
-    num_warps = max(1, min(8, block_v // 256))
+    settings = (temperature, top_k.contiguous(), top_p.to(torch.float32).contiguous())
+    row_inputs = (logits, logits.stride(0), logits.stride(1), draft_tokens, draft_tokens.stride(0), num_drafts,
+                  q, q.stride(0), q.stride(1))
+    has_draft_probs = draft_probs is not None
+    positions_block = triton.next_power_of_2(positions)
+    _stats_kernel[(batch, positions, num_splits)](
+        logits, logits.stride(0), logits.stride(1), num_drafts, *settings, seed, offset, split_values, split_indices,
+        vocab, positions - 1, chunk, num_splits, BLOCK_V=block_v, num_warps=sweep_warps)
     _position_kernel[(batch, positions)](
-        *row_inputs, top_k.contiguous(), top_p.to(torch.float32).contiguous(), *randomness, lse, threshold, accepted,
-        token, vocab, positions - 1, HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=block_v,
-        SEARCH_BLOCK=min(block_v, MAX_SEARCH_BLOCK), NUM_PIVOTS=NUM_PIVOTS, num_warps=num_warps)
+        *row_inputs, *settings, seed, offset, lenience, split_values, split_indices, lse, threshold, accepted, token,
+        vocab, positions - 1, num_splits, HAS_DRAFT_PROBS=has_draft_probs, SPLITS_BLOCK=splits_block,
+        SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS, num_warps=search_warps)
+    _emit_split_kernel[(batch, num_splits)](
+        *row_inputs, temperature, seed, offset, lenience, lse, threshold, accepted, token, emit_values, emit_indices,
+        vocab, positions - 1, chunk, num_splits, HAS_DRAFT_PROBS=has_draft_probs, BLOCK_V=block_v,
+        POSITIONS_BLOCK=positions_block, num_warps=sweep_warps)
     _emit_kernel[(batch,)](
-        *row_inputs, *randomness, lse, threshold, accepted, token, num_accepted, next_token, vocab, positions - 1,
-        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=block_v, POSITIONS_BLOCK=triton.next_power_of_2(positions),
-        num_warps=num_warps)
+        num_drafts, temperature, accepted, token, emit_values, emit_indices, num_accepted, next_token,
+        positions - 1, num_splits, SPLITS_BLOCK=splits_block, POSITIONS_BLOCK=positions_block)
     return VerifyResult(num_accepted, next_token, lse, threshold)
 
 
-def _cutoffs(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
-    """[R, V] processed logits -> [R] threshold (module docstring). Only filtered rows are ranked,
-    and only as far as needed: a partial sort (topk) that widens until it holds the cut-off is
-    many times cheaper than sorting a 150k vocabulary, and nuclei are usually small."""
-    vocab = z.shape[-1]
-    by_count = sampling & (top_k > 0) & (top_k < vocab)
-    by_mass = sampling & (top_p < 1)
-    threshold = torch.full(z.shape[:1], float("-inf"), device=z.device)
-    rows = (by_count | by_mass).nonzero()[:, 0]
-    if rows.numel() == 0:
-        return threshold
-    z, by_count, by_mass = z[rows], by_count[rows, None], by_mass[rows]
-    kth = top_k[rows, None].long().clamp(1, vocab) - 1
-    width = min(vocab, max(256, int(torch.where(by_count, kth, 0).max()) + 1))
-    ranked = z.topk(width, dim=-1).values
-    count_cut = torch.where(by_count, ranked.gather(1, kth.clamp(max=width - 1)), float("-inf"))
-    row_max = ranked[:, :1]
-    goal = top_p[rows, None] * torch.where(z >= count_cut, torch.exp(z - row_max), 0.0).sum(-1, keepdim=True)
-    while True:
-        # The first ranked entry whose running kept mass reaches the goal: a tie group's later
-        # members only add mass, so its value is the largest one that qualifies.
-        reached = torch.where(ranked >= count_cut, torch.exp(ranked - row_max), 0.0).cumsum(-1) >= goal
-        if width == vocab or reached[by_mass].any(-1).all():
-            break
-        width = min(vocab, 8 * width)
-        ranked = z.topk(width, dim=-1).values
-    # Rounding can leave the goal just out of reach of the whole kept mass: then everything kept stays.
-    smallest_kept = torch.maximum(count_cut, ranked[:, -1:])
-    mass_cut = torch.where(reached.any(-1, keepdim=True), ranked.gather(1, reached.int().argmax(-1, keepdim=True)),
-                           smallest_kept)
-    threshold[rows] = torch.where(by_mass[:, None], torch.maximum(count_cut, mass_cut), count_cut)[:, 0]
-    return threshold
-
-
-def _processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               filtered: bool = True):
-    """[R, V] logits of rows with their own settings -> z, threshold, lse (greedy rows: raw logits, no filter).
-    filtered=False: the caller knows no row uses top-k / top-p, so the cut-off search (which reads
-    the device to find the filtered rows) is skipped."""
-    sampling = temperature > 0
-    z = logits.float() / torch.where(sampling, temperature.float(), 1.0)[:, None]
-    if filtered:
-        threshold = _cutoffs(z, top_k, top_p.float(), sampling)
-    else:
-        threshold = torch.full(z.shape[:1], float("-inf"), device=z.device)
-    lse = torch.where(z >= threshold[:, None], z, float("-inf")).logsumexp(-1)
-    return z, threshold, lse
-
-
-def _probs(z: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(z >= threshold[:, None], torch.exp(z - lse[:, None]), 0.0)
-
-
 def _draft_distribution(draft_tokens, draft_probs, rows, position, vocab):
-    """q of draft `position` for the given rows: draft_probs, or one-hot at the draft token."""
+    """q of draft `position` ([B] or an int) for the given rows: draft_probs, or one-hot at the draft token."""
     if draft_probs is not None:
         return draft_probs[rows, position].float()
-    return torch.nn.functional.one_hot(draft_tokens[rows, position], vocab).float()
+    return _one_hot(draft_tokens[rows, position], vocab)
+
+
+def _one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R] int -> [R, V] float32; F.one_hot would read the indices' range back to the host to check it."""
+    return (index[:, None] == torch.arange(vocab, device=index.device)).float()
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor, lenience: torch.Tensor):
-    """min(q, l p), the part of q that is accepted, and the unnormalised residual max(0, p - min(q, l p))."""
+    """min(q, l p), the part of q that is accepted, and the unnormalised residual max(0, p - min(q, l p));
+    lenience [B, 1]."""
     accepted_part = torch.minimum(q, lenience * p)
     return accepted_part, (p - accepted_part).clamp_min(0.0)
 
 
 def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               seed: torch.Tensor, offset: torch.Tensor, lenience: float = 1.0) -> VerifyResult:
+               seed: torch.Tensor, offset: torch.Tensor, lenience: float | torch.Tensor = 1.0, *,
+               filtered: bool | None = None, max_top_k: int | None = None,
+               check_values: bool = True) -> VerifyResult:
     """PyTorch twin of `verify`: same arguments, semantics and random numbers. Vectorised over
-    rows, one loop step per position."""
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset)
+    rows, one loop step per position, fixed shapes throughout: with check_values=False and a
+    host-known `filtered` it never reads the device (filtered / max_top_k: see processed_ref)."""
+    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
+                  check_values, max_top_k)
     batch, positions, vocab = logits.shape
     device = logits.device
     seed, offset, num_drafts = seed.long(), offset.long(), num_drafts.long()
-    lenience_t = torch.tensor(lenience, dtype=torch.float32, device=device)  # fp32, as the kernel sees it
+    lenience = _lenience_rows(lenience, batch, device)  # fp32, as the kernel sees it
+    filtered = resolve_filtered(filtered, temperature, top_k, top_p, vocab)
     sampling = temperature > 0
     drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]
     tokens = torch.where(drafted, draft_tokens.long(), 0)
@@ -417,7 +393,7 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
     argmax = torch.zeros(batch, positions, dtype=torch.int64, device=device)
     rejected = torch.zeros(batch, positions, dtype=torch.bool, device=device)
     for j in range(positions):
-        z, threshold[:, j], lse[:, j] = _processed(logits[:, j], temperature, top_k, top_p)
+        z, threshold[:, j], lse[:, j] = processed_ref(logits[:, j], temperature, top_k, top_p, filtered, max_top_k)
         argmax[:, j] = z.argmax(-1)
         if j == positions - 1:
             break
@@ -426,27 +402,27 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
         p_x = torch.where(z_x >= threshold[:, j], torch.exp(z_x - lse[:, j]), 0.0)
         q_x = draft_probs[every_row, j, x].float() if draft_probs is not None else torch.ones_like(p_x)
         u = uniform_ref(seed, offset + j, 0)
-        greedy_accept = (x == argmax[:, j]) | ((lenience > 1) & (lenience_t * p_x > q_x))
-        accept = torch.where(sampling, u * q_x < lenience_t * p_x, greedy_accept)
+        greedy_accept = (x == argmax[:, j]) | ((lenience > 1) & (lenience * p_x > q_x))
+        accept = torch.where(sampling, u * q_x < lenience * p_x, greedy_accept)
         rejected[:, j] = drafted[:, j] & ~accept
     position_ids = torch.arange(positions, device=device)
     num_accepted = torch.where(rejected, position_ids, num_drafts[:, None]).amin(1)
-    next_token = argmax[every_row, num_accepted]
 
     # Sampling rows draw at their emitting position: the bonus (or a vanished residual) samples p,
-    # a rejection samples the residual. One Gumbel noise row serves both.
-    rows = sampling.nonzero()[:, 0]
-    at = num_accepted[rows]
-    z = logits[rows, at].float() / temperature[rows, None].float()
-    noise = gumbel_ref(seed[rows, None], (offset[rows] + at)[:, None], 1 + torch.arange(vocab, device=device))
-    sample = torch.where(z >= threshold[rows, at][:, None], z + noise, float("-inf")).argmax(-1)
-    rejecting = at < num_drafts[rows]
-    p = _probs(z, threshold[rows, at], lse[rows, at])[rejecting]
-    q = _draft_distribution(tokens, draft_probs, rows[rejecting], at[rejecting], vocab)
-    _, residual = _residual(p, q, lenience_t)
-    residual_sample = (residual.log() + noise[rejecting]).argmax(-1)
-    sample[rejecting] = torch.where((residual > 0).any(-1), residual_sample, sample[rejecting])
-    next_token[sampling] = sample
+    # a rejection samples the residual. One Gumbel noise row serves both. Every row computes it
+    # (fixed shapes); greedy rows keep their argmax.
+    at = num_accepted
+    z = logits[every_row, at].float() / torch.where(sampling, temperature.float(), 1.0)[:, None]
+    at_threshold, at_lse = threshold[every_row, at], lse[every_row, at]
+    noise = gumbel_ref(seed[:, None], (offset + at)[:, None], 1 + torch.arange(vocab, device=device))
+    sample = torch.where(z >= at_threshold[:, None], z + noise, float("-inf")).argmax(-1)
+    if positions > 1:
+        draft_at = at.clamp(max=positions - 2)  # rows that do not reject: any draft, unused
+        q = _draft_distribution(tokens, draft_probs, every_row, draft_at, vocab)
+        _, residual = _residual(probs_ref(z, at_threshold, at_lse), q, lenience[:, None])
+        residual_sample = (residual.log() + noise).argmax(-1)
+        sample = torch.where((at < num_drafts) & (residual > 0).any(-1), residual_sample, sample)
+    next_token = torch.where(sampling, sample, argmax[every_row, at])
 
     beyond = position_ids > num_drafts[:, None]
     return VerifyResult(num_accepted.int(), next_token, lse.masked_fill(beyond, 0.0),
@@ -454,31 +430,34 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
 
 
 def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+                   top_p: torch.Tensor, filtered: bool | None = None, max_top_k: int | None = None) -> torch.Tensor:
     """The reviewer's sampling distribution p: logits [B, ..., V], settings [B] (shared by a row's
     positions) -> [B, ..., V] float32. Greedy rows (T == 0) give the one-hot argmax.
-    filtered=False (no row uses top-k / top-p, known on the host) makes it free of host syncs."""
+    filtered / max_top_k: host-known hints, see processed_ref; no host reads on a device."""
     vocab = logits.shape[-1]
     per_row = logits[0].numel() // vocab
     settings = [s.repeat_interleave(per_row) for s in (temperature, top_k, top_p)]
-    z, threshold, lse = _processed(logits.reshape(-1, vocab), *settings, filtered=filtered)
+    z, threshold, lse = processed_ref(logits.reshape(-1, vocab), *settings, filtered=filtered, max_top_k=max_top_k)
     greedy = (settings[0] == 0)[:, None]
-    probs = torch.where(greedy, torch.nn.functional.one_hot(z.argmax(-1), vocab).float(), _probs(z, threshold, lse))
+    probs = torch.where(greedy, _one_hot(z.argmax(-1), vocab), probs_ref(z, threshold, lse))
     return probs.reshape(logits.shape)
 
 
 def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                          draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor, lenience: float, result: VerifyResult) -> torch.Tensor:
+                         top_p: torch.Tensor, lenience: float | torch.Tensor, result: VerifyResult, *,
+                         check_values: bool = True) -> torch.Tensor:
     """[B, k+1, V] float32: the distribution of the token `result` emitted at each position j <=
     num_accepted[b] (zeros beyond), the proposal the level above must use for it (ALGORITHMS.md 2).
     Sampling rows: e_j = min(q_j, l p_j) + (1 - sum min(q_j, l p_j)) * norm(r_j) at a draft
     position (p_j where r_j vanished), p_j at the bonus position; p_j is rebuilt from result.lse and
-    result.threshold. Greedy rows: one-hot of the emitted token."""
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience)
+    result.threshold, l is the row's lenience (a float or [B]). Greedy rows: one-hot of the emitted
+    token. No host reads with check_values=False."""
+    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
+                  check_values=check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
-    lenience_t = torch.tensor(lenience, dtype=torch.float32, device=device)
+    lenience = _lenience_rows(lenience, batch, device)[:, None]
     sampling = temperature > 0
     divisor = torch.where(sampling, temperature.float(), 1.0)[:, None]
     drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]
@@ -486,16 +465,16 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
     every_row = torch.arange(batch, device=device)
     emitted = torch.zeros(batch, positions, vocab, device=device)
     for j in range(positions):
-        e = _probs(logits[:, j].float() / divisor, result.threshold[:, j], result.lse[:, j])
+        e = probs_ref(logits[:, j].float() / divisor, result.threshold[:, j], result.lse[:, j])
         emitted_token = result.next_token
         if j < positions - 1:
             accepted_part, residual = _residual(e, _draft_distribution(tokens, draft_probs, every_row, j, vocab),
-                                                lenience_t)
+                                                lenience)
             residual_mass = residual.sum(-1, keepdim=True)
             r = torch.where(residual_mass > 0, residual / residual_mass, e)
             e = torch.where(drafted[:, j, None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r, e)
             emitted_token = torch.where(j < result.num_accepted, tokens[:, j], result.next_token)
-        greedy_e = torch.nn.functional.one_hot(emitted_token, vocab).float()
+        greedy_e = _one_hot(emitted_token, vocab)
         e = torch.where(sampling[:, None], e, greedy_e)
         emitted[:, j] = torch.where((j <= result.num_accepted)[:, None], e, 0.0)
     return emitted

@@ -285,3 +285,59 @@ def test_reviewer_probs_without_filters_skips_only_the_cutoff_search():
     assert (full[0].argmax(-1) == logits[0].argmax(-1)).all() and (full[0].max(-1).values == 1).all()
     filtered = reviewer_probs(logits, temperature, torch.tensor([0, 5, 0, 0], dtype=torch.int32), no_top_p)
     assert ((filtered[1] > 0).sum(-1) == 5).all() and not torch.equal(filtered, full)
+
+
+@pytest.mark.parametrize("impl", [verify_ref, verify])
+def test_lenience_per_row_equals_separate_calls(impl):
+    """A [B] lenience gives each row what a call with its value as the scalar lenience gives it."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = 8
+    inputs = random_batch(gen, batch, 3, 60, with_draft_probs=bool(seed % 2))
+    values = torch.tensor([1.0, 2.5, 4.0])
+    lenience = values[torch.randint(0, 3, (batch,), generator=gen)].to(DEVICE)
+    got = impl(**inputs, lenience=lenience)
+    no_seed = {name: value for name, value in inputs.items() if name not in ("seed", "offset")}
+    got_emitted = emitted_distribution(**no_seed, lenience=lenience, result=got)
+    for value in values.tolist():
+        rows = lenience == value
+        want = impl(**inputs, lenience=value)
+        where = f"seed={seed}, lenience {value}"
+        for field in ("num_accepted", "next_token", "lse", "threshold"):
+            assert torch.equal(getattr(got, field)[rows], getattr(want, field)[rows]), f"{where}: {field}"
+        want_emitted = emitted_distribution(**no_seed, lenience=value, result=want)
+        assert torch.equal(got_emitted[rows], want_emitted[rows]), f"{where}: emitted distribution"
+
+
+@pytest.mark.parametrize("batch, k, vocab, splits, with_draft_probs, lenience, dtype", [
+    (1, 0, 300, 3, False, 1.0, torch.float32),
+    (2, 3, 257, 4, True, 2.5, torch.float32),
+    (3, 2, 1000, 7, False, 1.0, torch.bfloat16),
+    (4, 4, 130, 2, True, 1.0, torch.float32),
+])
+def test_split_sweeps_match_reference(batch, k, vocab, splits, with_draft_probs, lenience, dtype):
+    """The vocabulary split over programs (as at small batch on a GPU, forced here on a small V):
+    merged statistics and per-split Gumbel candidates give the reference's tokens exactly."""
+    from csd_engine.kernels.verify import split_plan
+    num_splits, chunk, block_v = split_plan(batch, k + 1, vocab, splits)
+    assert num_splits > 1 and chunk % block_v == 0 and (num_splits - 1) * chunk < vocab <= num_splits * chunk
+    seed = fresh_seed()
+    for trial in range(3):
+        inputs = random_batch(torch.Generator().manual_seed(seed + trial), batch, k, vocab, with_draft_probs, dtype)
+        got = verify(**inputs, lenience=lenience, splits=splits)
+        want = verify_ref(**inputs, lenience=lenience)
+        where = f"seed={seed + trial}, num_drafts={inputs['num_drafts'].tolist()}, splits={num_splits}"
+        assert torch.equal(got.num_accepted, want.num_accepted), f"{where}: {got.num_accepted} != {want.num_accepted}"
+        assert torch.equal(got.next_token, want.next_token), f"{where}: {got.next_token} != {want.next_token}"
+        assert torch.equal(got.threshold, want.threshold), f"{where}: threshold"
+        assert torch.allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5), f"{where}: lse {got.lse} != {want.lse}"
+
+
+def test_split_plan_fills_the_gpu_at_small_batch():
+    from csd_engine.kernels.verify import MIN_SPLIT, split_plan
+    vocab = 151936
+    for batch, positions in ((1, 1), (1, 5), (4, 5), (64, 5), (256, 9)):
+        splits, chunk, _ = split_plan(batch, positions, vocab)
+        assert splits * chunk >= vocab and (splits == 1 or chunk >= MIN_SPLIT)
+        assert batch * positions * splits >= min(132, batch * positions * (vocab // MIN_SPLIT))  # every SM busy
+    assert split_plan(256, 9, vocab)[0] == 1 and split_plan(1, 5, vocab)[0] > 32
