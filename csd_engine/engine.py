@@ -8,26 +8,17 @@ strategy's `step` until every row is done. A step returns the tokens it emitted 
 the device; the host reads them once per step (to stream tokens, apply stop tokens and
 `max_new_tokens`).
 
-Host synchronisation on CUDA, where and why (everything else stays on the device: accept
-counts, cache lengths, next positions, per-row metrics):
-* the engine's read of the emitted tokens, once per step; `active` goes back to the device
-  only in a step where a row finished;
-* Autoregressive, Speculative with a model drafter, Staged without MaG, greedy or sampling
-  (with top-k / top-p the drafter's distribution needs its cut-off search, which reads the
-  device once per drafter call): nothing else. Host-known bounds (k, tree depth,
-  `state.max_committed`) size every tensor;
-* MaG (Speculative, Staged's second stage, Cascade) proposes on the host from the tokens
-  the engine already read, except that inside a step Staged and Cascade read the draft they
-  are extending (one small read per MaG call);
-* Pearl reads whether any row is in post-verify at the start of a step, when the device is
-  idle anyway (the engine's read just drained it);
-* Cascade's intermediate levels are data-dependent: each review reads which rows still need
-  tokens and, in one read, how wide its draft and its forward are; each MaG call reads the
-  draft it extends, in one read; the step reads the final draft width. Attention bounds are
-  host-known. On an H100 this host work was most of the 9.2 ms "other" per cascade step
-  (README, GPU measurements; measured before two of the reads per review were removed).
-Kernel input checks read tensor values on the CPU only (verify, tree_verify).
+Host reads: one per step. The engine reads the step's emitted tokens, counts, non-finite
+flags and the decoder's `plan` for the next step (what each row asks of it: e.g. how many
+tokens its MaG match proposes, whether a PEARL row has drafts carried) in one copy
+(`read_host`); a decoder turns the active rows' plans into the host-known shapes of its next
+step. Nothing inside a step reads the device, so a step is a fixed sequence of device work
+(tests/strategies/test_host_reads.py counts). `active` goes back to the device only in a
+step where a row finished. Exceptions, by design: the generic (transformers) runner crops
+each row's cache on the host; Pearl's worker thread joins on the host; kernel input checks
+read values only when asked (tests).
 """
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -38,8 +29,20 @@ from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.params import SamplingParams
-from csd_engine.strategies.base import DecodeState, StepMetrics
+from csd_engine.strategies.base import DecodeState, Models, StepMetrics
 from csd_engine.verifier import Verifier, choose_backend
+
+def _max_top_k(params: list[SamplingParams]) -> int | None:
+    """The largest top_k when every filtered row has one (a top-k sort that wide then holds every
+    cut-off), else None."""
+    filtered = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+    return max(p.top_k for p in filtered) if filtered and all(p.top_k > 0 for p in filtered) else None
+
+
+def read_host(tensor: torch.Tensor) -> list:
+    """The engine's one device-to-host read per step (tests count the calls)."""
+    return tensor.tolist()
+
 
 # Room past max_seq_len for the blocks a strategy feeds (draft + bonus, or tree nodes): writes
 # beyond a row's committed length must stay inside the buffer.
@@ -51,7 +54,7 @@ class Metrics:
     new_tokens: int
     target_forwards: int
     drafter_forwards: list[int]
-    wall_time_s: float
+    wall_time_s: float  # this request's own: from the start of its generate call (prefill included) to its last token
     tokens_per_s: float
     mean_accepted_tokens: float  # tokens emitted per target forward, bonus included (AR = 1.0)
     accepted: int = 0  # draft tokens the target accepted
@@ -61,6 +64,7 @@ class Metrics:
     swi: float = 1.0  # standardized walltime improvement (model-size cost model)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length offered to the target -> rounds
     wait_time_s: dict[str, float] = field(default_factory=dict)  # "drafter" / "target": waiting on the other
+    time_to_first_token_s: float = 0.0  # from the start of its generate call (prefill included) to its first token
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Engine:
 
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):
-            return spec if isinstance(spec, MaG) else MaG()
+            return (spec if isinstance(spec, MaG) else MaG()).to(self.device)
         runner, _ = load_runner(spec, self.drafter_device, self.dtype, native, attention_backend, self.fused_kernels)
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
@@ -116,6 +120,9 @@ class Engine:
     def models(self):
         """The neural runners (target first); MaG has no cache."""
         return [self.target] + [d for d in self.drafters if not isinstance(d, MaG)]
+
+    def _decoder_models(self) -> Models:
+        return Models(self.target, self.drafters, self.verifier, self.capacity, self.device, self.drafter_device)
 
     # ----------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -127,16 +134,17 @@ class Engine:
                             "Speculative, Cascade, Staged, Pearl")
         prompt_ids = self._encode(prompts)
         params = self._params(params, len(prompt_ids))
-        decoder = strategy.decoder(self)  # validates the strategy against the engine's drafters
+        decoder = strategy.decoder(self._decoder_models())  # validates the strategy against the drafters
         if 2 * decoder.max_tokens_per_forward > HEADROOM:
             # A row can commit up to one forward past its limit in its last step, and finished
             # rows are still fed (masked) until the batch ends: two forwards must fit.
             raise ValueError(f"the strategy feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
                              f"at most {HEADROOM // 2} fit the cache headroom")
+        started = time.perf_counter()
         state = self._start(prompt_ids, params)
         if hasattr(decoder, "start"):
             decoder.start(state, prompt_ids)
-        return self._decode(decoder, state, prompt_ids, params)
+        return self._decode(decoder, state, prompt_ids, params, started)
 
     def _encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -186,10 +194,12 @@ class Engine:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            seed=torch.tensor([p._resolved_seed for p in params], dtype=torch.int64, device=dev),
+            seed=torch.tensor([p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
+                               for p in params], dtype=torch.int64, device=dev),  # seed=None: fresh per request
             offset=torch.zeros(b, dtype=torch.int64, device=dev),
             max_committed=max(lens) - 1, all_greedy=all(p.greedy for p in params),
-            any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params))
+            any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+            max_top_k=_max_top_k(params))
         width = max(lens) - 1
         for runner in self.models():
             runner.use_rows(b) if hasattr(runner, "use_rows") else runner.allocate(b, self.capacity)
@@ -201,33 +211,37 @@ class Engine:
             runner.cache.reset(committed)
         return state
 
-    def _decode(self, decoder, state: DecodeState, prompt_ids, params) -> list[GenerationResult]:
+    def _decode(self, decoder, state: DecodeState, prompt_ids, params, start: float) -> list[GenerationResult]:
         b = state.batch
         outputs = [[] for _ in range(b)]
         finish = [None] * b
-        stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else self._eos(p) for p in params]
+        stops = [set(p.stop_token_ids or ()) | self._eos(p) for p in params]
         limits = [min(p.max_new_tokens, self.max_seq_len - len(ids)) for p, ids in zip(params, prompt_ids)]
         forwards = [[0] * (1 + len(self.drafters)) for _ in range(b)]  # per row: target, then each drafter
         committed = [len(ids) - 1 for ids in prompt_ids]
-        start = time.perf_counter()
+        first_token_s, done_s = [0.0] * b, [0.0] * b  # seconds since `start` (before the prefill)
+        plan = self._plan(decoder, state, [True] * b)
         while any(f is None for f in finish):
             before = [state.metrics.target_forwards] + state.metrics.drafter_counts(len(self.drafters))
-            out = decoder.step(state)
+            out = decoder.step(state, plan)
             after = [state.metrics.target_forwards] + state.metrics.drafter_counts(len(self.drafters))
             for row in range(b):
                 if finish[row] is None:
                     forwards[row] = [f + a - c for f, a, c in zip(forwards[row], after, before)]
-            self._commit(state, out)
             models = self.models()
             nonfinite = torch.stack([m.nonfinite_rows.to(self.device) for m in models], 1)  # [B, models]
-            host = torch.cat([out.counts[:, None], out.tokens, nonfinite.long()], dim=1).tolist()  # the one read
-            self._check_finite([h[-len(models):] for h in host])
-            if hasattr(decoder, "observe"):  # host-side drafters (MaG) learn the emitted tokens
-                decoder.observe([h[1:1 + h[0]] for h in host])
+            parts = [out.counts[:, None], out.tokens, nonfinite.long()]
+            next_plan = decoder.plan(state) if hasattr(decoder, "plan") else None
+            host = read_host(torch.cat(parts + ([] if next_plan is None else [next_plan]), dim=1))  # the one read
+            width = 1 + out.tokens.shape[1] + len(models)
+            self._check_finite([h[width - len(models):width] for h in host])
             finished_before = sum(f is not None for f in finish)
+            now = time.perf_counter() - start
             for row in range(b):
                 if finish[row] is not None:
                     continue
+                first_token_s[row] = first_token_s[row] or now
+                done_s[row] = now
                 committed[row] += host[row][0]  # mirrors state.committed without reading it
                 for tok in host[row][1:1 + host[row][0]]:
                     outputs[row].append(tok)
@@ -239,10 +253,11 @@ class Engine:
                         break
             state.max_committed = max(committed)
             if sum(f is not None for f in finish) != finished_before:  # a host-to-device copy only when a row ends
-                state.active = torch.tensor([f is None for f in finish], device=self.device)
-        wall = time.perf_counter() - start
+                state.active.copy_(torch.tensor([f is None for f in finish], device=self.device))
+            plan = None if next_plan is None else [h[width:] for h, f in zip(host, finish) if f is None]
         return [GenerationResult(outputs[r], self._decode_text(outputs[r]), finish[r],
-                                 self._metrics(state.metrics, r, len(outputs[r]), forwards[r], wall))
+                                 self._metrics(state.metrics, r, len(outputs[r]), forwards[r], done_s[r],
+                                               first_token_s[r]))
                 for r in range(b)]
 
     def _check_finite(self, flags: list[list[int]]) -> None:
@@ -258,29 +273,27 @@ class Engine:
                          f"weights or activations overflow or are corrupt in {self.dtype}; use float32 or bfloat16 "
                          "(float16 overflows easily) or check the model's weights")
 
-    @staticmethod
-    def _commit(state: DecodeState, out) -> None:
-        """Append [pending, emitted[:-1]] to the committed sequence; the last emitted is pending."""
-        counts = out.counts * state.active
-        block = torch.cat([state.pending[:, None], out.tokens], dim=1)
-        cols = state.committed[:, None] + torch.arange(block.shape[1], device=block.device)[None, :]
-        keep = torch.arange(block.shape[1], device=block.device)[None, :] < counts[:, None]
-        cols = torch.where(keep, cols, state.tokens.shape[1] - 1).clamp(max=state.tokens.shape[1] - 1)
-        state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
-        last = out.tokens.gather(1, (out.counts - 1).clamp(min=0)[:, None])[:, 0]
-        state.pending = torch.where(state.active, last, state.pending)
-        state.committed = state.committed + counts
+    def _plan(self, decoder, state: DecodeState, active: list[bool]):
+        """The decoder's plan for its first step (read once, before the steps)."""
+        rows = decoder.plan(state) if hasattr(decoder, "plan") else None
+        return None if rows is None else [row for row, alive in zip(read_host(rows), active) if alive]
 
     def _eos(self, p: SamplingParams) -> set:
-        if p.ignore_eos or self.tokenizer is None or self.tokenizer.eos_token_id is None:
+        """The model's end-of-sequence ids: the runner's (tokenizer and generation config, set by
+        the loader) and the tokenizer's."""
+        if p.ignore_eos:
             return set()
-        eos = self.tokenizer.eos_token_id
-        return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        eos = set(getattr(self.target, "eos_token_ids", ()) or ())
+        tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if tokenizer_eos is not None:
+            eos |= set(tokenizer_eos) if isinstance(tokenizer_eos, (list, tuple)) else {tokenizer_eos}
+        return eos
 
     def _decode_text(self, ids):
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], wall: float) -> Metrics:
+    def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], wall: float,
+                 first_token: float) -> Metrics:
         def at(x):
             return int(x[row]) if isinstance(x, torch.Tensor) else int(x)
 
@@ -301,4 +314,4 @@ class Engine:
                        mean_accepted_tokens=n_new / max(forwards[0], 1), accepted=accepted, drafted=drafted,
                        acceptance_by_position=by_pos, acceptance_by_level=by_level,
                        swi=ar_cost / cost if cost else 1.0, draft_lengths=draft_lengths,
-                       wait_time_s=dict(m.wait_time_s))
+                       wait_time_s=dict(m.wait_time_s), time_to_first_token_s=first_token)

@@ -1,13 +1,15 @@
 """Sampling parameters: one per request, validated on construction."""
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class SamplingParams:
     """temperature 0 is greedy decoding. top_k 0 and top_p 1.0 switch those filters off.
-    seed=None draws a fresh seed; the same request with the same seed gives the same tokens
-    whatever else shares the batch. stop_token_ids=None means the tokenizer's EOS token."""
+    seed=None draws a fresh seed for every request (also when one params object serves many);
+    the same request with the same seed gives the same tokens whatever else shares the batch.
+    stop_token_ids end a request in addition to the model's end-of-sequence tokens (the
+    tokenizer's and the generation config's) unless ignore_eos; max_tokens is an alias of
+    max_new_tokens."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -16,9 +18,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
-    _resolved_seed: int = field(init=False, repr=False, default=0)
+    max_tokens: int | None = None  # alias of max_new_tokens (OpenAI's name)
 
     def __post_init__(self):
+        if self.max_tokens is not None:
+            if self.max_new_tokens != 64 and self.max_new_tokens != self.max_tokens:
+                raise ValueError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
+                                 "disagree: give one of them")
+            self.max_new_tokens = self.max_tokens
         for name, kind in (("temperature", (int, float)), ("top_p", (int, float)),
                            ("top_k", int), ("max_new_tokens", int)):
             value = getattr(self, name)
@@ -36,7 +43,7 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        self._resolved_seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.max_tokens = self.max_new_tokens
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Lossless verification of a token tree (staged speculative decoding, ALGORITHMS.md section 5).
+"""Lossless verification of a token tree (staged speculative decoding, docs/algorithms.md: token trees).
 
 Row b holds a tree of N nodes. Node 0 is the root: the last emitted token, not yet in the
 target's cache. Nodes 1..N-1 are draft tokens; `parents[b, i] < i`, and padded nodes (parent

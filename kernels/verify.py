@@ -1,4 +1,4 @@
-"""Fused chain verification (ALGORITHMS.md sections 1 and 2): one call verifies a whole batch.
+"""Fused chain verification (docs/algorithms.md: chain verification, lenience): one call verifies a whole batch.
 
 Row b has `num_drafts[b] = n <= k` draft tokens x_0..x_{n-1}; `logits[b, j]` gives the
 reviewer's p_j for draft j, and position n is the bonus position.
@@ -443,12 +443,18 @@ def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs.reshape(logits.shape)
 
 
+def normalised_residual(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """norm(r): the residual over its mass ([R, V]); `fallback` (p) where it vanished."""
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass, fallback)
+
+
 def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                          draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
                          top_p: torch.Tensor, lenience: float | torch.Tensor, result: VerifyResult, *,
                          check_values: bool = True) -> torch.Tensor:
     """[B, k+1, V] float32: the distribution of the token `result` emitted at each position j <=
-    num_accepted[b] (zeros beyond), the proposal the level above must use for it (ALGORITHMS.md 2).
+    num_accepted[b] (zeros beyond), the proposal the level above must use for it (docs/algorithms.md, lenience).
     Sampling rows: e_j = min(q_j, l p_j) + (1 - sum min(q_j, l p_j)) * norm(r_j) at a draft
     position (p_j where r_j vanished), p_j at the bonus position; p_j is rebuilt from result.lse and
     result.threshold, l is the row's lenience (a float or [B]). Greedy rows: one-hot of the emitted
@@ -470,8 +476,7 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
         if j < positions - 1:
             accepted_part, residual = _residual(e, _draft_distribution(tokens, draft_probs, every_row, j, vocab),
                                                 lenience)
-            residual_mass = residual.sum(-1, keepdim=True)
-            r = torch.where(residual_mass > 0, residual / residual_mass, e)
+            r = normalised_residual(residual, e)
             e = torch.where(drafted[:, j, None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r, e)
             emitted_token = torch.where(j < result.num_accepted, tokens[:, j], result.next_token)
         greedy_e = _one_hot(emitted_token, vocab)

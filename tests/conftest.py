@@ -18,3 +18,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+if os.environ.get("CSD_MUTATION"):  # tests/mutations.py: an injected mistake the suite must catch
+    from tests.mutations import apply
+    apply(os.environ["CSD_MUTATION"])

@@ -1,4 +1,4 @@
-"""MaG, the statistical drafter of CS Drafting (ALGORITHMS.md section 4), on the device.
+"""MaG, the statistical drafter of CS Drafting (docs/algorithms.md, MaG), on the device.
 
 Glossary, per batch row b of a token buffer `tokens` [B, C]:
 * query: tokens[b, :end[b]], the committed history followed by unverified draft tokens;

@@ -116,7 +116,7 @@ class GraphedRunner(Runner):
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.use_graphs = self.device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = None
         self._forget_graphs()
 
     @property
@@ -131,7 +131,14 @@ class GraphedRunner(Runner):
         self.runner.use_rows(batch)
 
     def _forget_graphs(self) -> None:
-        """Graphs hold the addresses of the cache they were captured on: a new cache drops them."""
+        """Graphs hold the addresses of the cache they were captured on: a new cache (a second
+        Engine over this runner) drops them and their memory pool, and later forwards capture
+        anew into a fresh pool (capturing into the old one, whose blocks the dropped graphs
+        still held, failed an allocator assert on an H100)."""
+        for graph, _ in getattr(self, "graphs", {}).values():
+            graph.reset()
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
         self.inputs: dict[GraphKey, StaticInputs] = {}
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         full = getattr(self.runner, "full_cache", None)

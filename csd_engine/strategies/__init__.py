@@ -1,5 +1,6 @@
 from csd_engine.strategies.autoregressive import Autoregressive
-from csd_engine.strategies.cascade import AutoCascade, Cascade
+from csd_engine.strategies.cascade import Cascade
+from csd_engine.strategies.cascade_auto import AutoCascade
 from csd_engine.strategies.pearl import Pearl
 from csd_engine.strategies.speculative import Speculative
 from csd_engine.strategies.staged import Staged

@@ -3,32 +3,25 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.strategies.base import DecodeState, StepOutput, forward_tokens
+from csd_engine.strategies.base import DecodeState, Draft, Models, StepOutput, commit, verify_chain
 
 
 @dataclass(frozen=True)
 class Autoregressive:
     """Greedy or sampled decoding with the target alone."""
 
-    def decoder(self, engine):
-        return AutoregressiveDecoder(engine)
+    def decoder(self, models: Models):
+        return AutoregressiveDecoder(models)
 
 
 class AutoregressiveDecoder:
     max_tokens_per_forward = 1
 
-    def __init__(self, engine):
-        self.target = engine.target
-        self.verifier = engine.verifier
+    def __init__(self, models: Models):
+        self.models = models
 
-    def step(self, state: DecodeState) -> StepOutput:
-        logits = forward_tokens(self.target, state, state.pending[:, None])  # [B, 1, V]
-        b = state.batch
-        none = torch.zeros(b, 0, dtype=torch.int64, device=logits.device)
-        out = self.verifier.chain(logits, none, torch.zeros(b, dtype=torch.int64, device=logits.device),
-                                  None, lenience=1.0, **state.sampling_args())
-        one = torch.ones(b, dtype=torch.int64, device=logits.device)
-        self.target.cache.advance(one * state.active)
-        state.offset += 1
-        state.metrics.target_forwards += 1
-        return StepOutput(tokens=out.next_token[:, None], counts=one)
+    def step(self, state: DecodeState, plan=None) -> StepOutput:
+        nothing = torch.zeros(state.batch, 0, dtype=torch.int64, device=state.pending.device)
+        out, _ = verify_chain(self.models, state, Draft(nothing, nothing.sum(1)), counters=1)
+        commit(state, out)
+        return out

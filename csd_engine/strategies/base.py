@@ -1,9 +1,16 @@
-"""State shared by every decoding strategy, and the pieces each of them uses.
+"""What every decoding strategy shares: the per-request decoding state, the draft every
+drafter returns, and the verify-commit-rollback steps every chain strategy ends with.
 
 The committed sequence of each row lives on the device in `DecodeState.tokens`
 ([B, capacity]); `pending[b]` is the last emitted token, which no model has cached yet.
 Every model's cache is a prefix of that sequence (`runner.cache.lengths`), so any model can
 catch up on what it has not seen by feeding `tokens[b, cache_len:committed] + pending`.
+
+A step is a fixed sequence of device work whose shapes come from host-known values only:
+the strategy's configuration and the `plan` the engine read with the previous step's tokens
+(what each row asks of this step, e.g. how long its MaG match is). Everything that depends
+on the data (accepted counts, per-row draft lengths, which rows still draft) stays on the
+device as lengths and masks, so a step reads nothing back (docs: engine docstring).
 """
 from dataclasses import dataclass, field
 
@@ -11,6 +18,20 @@ import torch
 
 from csd_engine.kernels.random import stream_seed
 from csd_engine.models.runner import ForwardBatch, Runner
+
+TARGET_STREAM, DRAFT_STREAM = 0, 1  # random streams of the target's checks and of drafters sampling
+
+
+@dataclass
+class Models:
+    """What a strategy is given to run: runners, the verifier, sizes (never the Engine)."""
+
+    target: Runner
+    drafters: list  # Runner or MaG, largest first
+    verifier: object  # csd_engine.verifier.Verifier
+    capacity: int  # token slots per row (max_seq_len + headroom)
+    device: torch.device
+    drafter_device: torch.device
 
 
 @dataclass
@@ -27,17 +48,29 @@ class DecodeState:
     max_committed: int  # host-side max of committed over rows (exact after each step's read)
     all_greedy: bool  # every row at temperature 0: strategies may skip draft distributions
     any_filtered: bool = True  # some row uses top-k / top-p (host-known: lets drafters skip the cut-off search)
+    max_top_k: int | None = None  # largest top_k of a row (host-known: a top-k cut-off without a full sort)
     metrics: "StepMetrics" = field(default_factory=lambda: StepMetrics())
 
     @property
     def batch(self) -> int:
         return self.pending.shape[0]
 
-    def sampling_args(self, stream: int = 0) -> dict:
+    def sampling_args(self, stream: int | torch.Tensor = 0) -> dict:
         """Per-row arguments of the verification kernels, with an independent random stream
-        per `stream` id (cascade levels must not share random numbers)."""
+        per `stream` id (an int, or a [B] tensor of per-row ids), and the host-known hints that
+        keep the PyTorch references free of host reads (no value checks on the hot path)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                    seed=stream_seed(self.seed, stream), offset=self.offset)
+                    seed=stream_seed(self.seed, stream), offset=self.offset, check_values=False,
+                    filtered=self.any_filtered, max_top_k=self.max_top_k)
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one review: a host-known width W, a length per row (0..W)."""
+
+    tokens: torch.Tensor  # [B, W] int64; entries at or past length[b] are padding
+    length: torch.Tensor  # [B] int64
+    q: torch.Tensor | None = None  # [B, W, V] what each token was drawn from; None: all deterministic (one-hot)
 
 
 @dataclass
@@ -52,8 +85,6 @@ class StepMetrics:
 
     target_forwards: int = 0
     drafter_forwards: list = field(default_factory=list)  # per drafter level
-    accepted: torch.Tensor | None = None  # [B] accepted draft tokens (target level)
-    drafted: torch.Tensor | None = None  # [B] drafted tokens offered to the target
     accepted_by_position: torch.Tensor | None = None  # [B, P] accepted count per draft position
     drafted_by_position: torch.Tensor | None = None
     level_accepted: dict = field(default_factory=dict)  # level -> [B]
@@ -62,7 +93,7 @@ class StepMetrics:
     wait_time_s: dict = field(default_factory=dict)  # side -> seconds it waited for the other (parallel strategies)
 
     def count_drafter(self, drafter: int, n: int = 1) -> None:
-        """Count forwards of engine.drafters[drafter]."""
+        """Count forwards of drafter `drafter` (an index into the engine's drafters)."""
         while len(self.drafter_forwards) <= drafter:
             self.drafter_forwards.append(0)
         self.drafter_forwards[drafter] += n
@@ -73,8 +104,7 @@ class StepMetrics:
     def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor,
                max_drafted: int = 0) -> None:
         """Per-row accepted/drafted counts of one review at `level` (0 = the target).
-        max_drafted: a host-known bound on drafted (the target level needs it to size the
-        per-position counters without reading the device)."""
+        max_drafted: a host-known bound on drafted (sizes the per-position counters)."""
         a = accepted.to(torch.int64) * active
         d = drafted.to(torch.int64) * active
         self.level_accepted[level] = self.level_accepted.get(level, 0) + a
@@ -94,11 +124,11 @@ class StepMetrics:
         self.drafted_by_position[:, :width] += drf_pos
 
 
-def require_one_device(engine, strategy: str) -> None:
+def require_one_device(models: Models, strategy: str) -> None:
     """Strategies other than Pearl run every model on the engine's device."""
-    if engine.drafter_device != engine.device:
+    if models.drafter_device != models.device:
         raise ValueError(f"{strategy} runs the drafters on the target's device, but this engine puts them on "
-                         f"{engine.drafter_device} (target: {engine.device}); a separate drafter_device is for "
+                         f"{models.drafter_device} (target: {models.device}); a separate drafter_device is for "
                          "Pearl, whose two sides run concurrently")
 
 
@@ -140,3 +170,47 @@ def emitted_block(drafts: torch.Tensor, num_accepted: torch.Tensor, next_token: 
     col = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None, :]
     padded = torch.cat([drafts, next_token[:, None]], dim=1)
     return torch.where(col == num_accepted[:, None], next_token[:, None], padded)
+
+
+def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int) -> tuple[StepOutput, torch.Tensor]:
+    """The target checks `draft` in one forward over [pending, draft] and its cache keeps
+    pending and the accepted drafts. Returns (what the step emits, accepted counts [B]).
+    `counters`: random counters the step consumes in all (the offset moves past them)."""
+    ids = torch.cat([state.pending[:, None], draft.tokens], 1)
+    logits = forward_tokens(models.target, state, ids)
+    res = models.verifier.chain(logits, draft.tokens, draft.length, draft.q, lenience=1.0,
+                                **state.sampling_args(TARGET_STREAM))
+    accepted = res.num_accepted.to(torch.int64)
+    models.target.cache.advance((accepted + 1) * state.active)
+    state.offset += counters
+    state.metrics.target_forwards += 1
+    state.metrics.record(0, accepted, draft.length, state.active, draft.tokens.shape[1])
+    return StepOutput(emitted_block(draft.tokens, accepted, res.next_token), accepted + 1), accepted
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., vocab] float32 one-hot rows of `tokens` (a compare: F.one_hot reads the ids' range back)."""
+    return (tokens[..., None] == torch.arange(vocab, device=tokens.device)).float()
+
+
+def roll_back_drafters(drafters, length: torch.Tensor) -> None:
+    """Every neural drafter keeps at most `length[b]` cached slots of row b (MaG has no cache)."""
+    for drafter in drafters:
+        if isinstance(drafter, Runner):
+            drafter.cache.rollback(length)
+
+
+def commit(state: DecodeState, out: StepOutput) -> None:
+    """Append [pending, emitted[:-1]] to each active row's committed sequence, in place; the
+    last emitted token becomes pending. Every step ends with it (inside the step, so that the
+    next step's plan can be computed from the committed sequence)."""
+    counts = out.counts * state.active
+    block = torch.cat([state.pending[:, None], out.tokens], dim=1)
+    width = state.tokens.shape[1]
+    col = torch.arange(block.shape[1], device=block.device)[None, :]
+    keep = col < counts[:, None]
+    cols = torch.where(keep, state.committed[:, None] + col, width - 1).clamp(max=width - 1)
+    state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
+    last = out.tokens.gather(1, (out.counts - 1).clamp(min=0)[:, None])[:, 0]
+    state.pending.copy_(torch.where(state.active, last, state.pending))
+    state.committed += counts

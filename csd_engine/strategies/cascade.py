@@ -1,39 +1,41 @@
-"""Cascade Speculative Drafting (ALGORITHMS.md sections 2 and 3): vertical + horizontal cascade.
+"""Cascade Speculative Drafting (docs/algorithms.md: lenience, CS Drafting): vertical and
+horizontal cascade, compiled into a fixed plan of rounds (cascade_plan.py).
 
-Every row keeps one working sequence in `state.tokens`: the committed prefix, `pending`,
-then the draft being built. Row 0 of K says how many tokens each drafter (largest first)
-contributes to the target's draft; a neural drafter's own proposals come from the cascade
-below it (the sub-matrix), and it only ever *reviews* them — never decodes on its own.
-A review appends the accepted tokens plus the reviewer's correction/bonus and cuts the rest,
-so the working sequence only grows by verified-at-that-level tokens; every model's cache is
-a prefix of it and rolls back by length.
+Glossary:
+* working sequence: per row, tokens[:committed] + pending + the draft being built, in
+  `state.tokens`; every model's cache is a prefix of it and rolls back by length.
+* review: a neural drafter checks the tokens its sub-cascade appended (chain verification
+  with lenience l); the working sequence keeps what it accepted plus its correction / bonus.
+* emitted distribution e: what a review's tokens were drawn from (exactly computable, with
+  lenience); the level above uses e, never the raw drafter distribution, as their proposal
+  q. That is what keeps every level lossless at any temperature; the target reviews with
+  l = 1, so the output follows the target exactly.
+* budget: per row and source, how many tokens the source adds (K's entry, or less: a row
+  whose next MaG match is at least `direct_match` tokens long sends MaG's tokens straight to
+  the target and skips the neural levels).
+* plan: per row, what the next step needs (how far each drafter's cache trails the committed
+  prefix, its budget of each neural source), read with the step's tokens; it fixes the
+  host-known widths and review rounds of the next step (none for a level no row uses).
 
-Lossless at any temperature: a reviewer at an intermediate level emits each token with an
-exactly known distribution e_j (kernels.verify.emitted_distribution, lenience included),
-and that e_j — not the raw drafter distribution — is the proposal the level above verifies
-against. The target reviews with lenience 1, so the output follows the target exactly.
+Tree at the top level (`tree=(b_1, b_2, ...)`): the target verifies the draft as the trunk of
+a token tree with b_d - 1 extra children at depth d: the most likely other tokens of the last
+neural review that scored that position with an all-accepted prefix. Such a child is a
+function of the prefix alone (a deterministic child of the tree rule): lossless at any
+temperature. After a branch wins, every drafter rolls back to where the path left the trunk.
 
-Tree at the top level (`tree=(b_1, b_2, ...)`, CS Drafting with tree attention): the target
-verifies the cascade's draft as the trunk of a token tree in one forward, with b_d - 1 extra
-children beside the trunk token at depth d: the most likely other tokens of the last neural
-review that scored that position with an all-accepted prefix. Such a child is a function of
-the prefix alone, so it is a deterministic child of the tree rule (ALGORITHMS.md section 5),
-tried after the trunk token (whose proposal is its e): lossless at any temperature. After a
-branch wins, every drafter rolls back to where the accepted path left the trunk.
-
-Rows are batched: a row that already holds enough tokens at a level is masked out of the
-next review instead of leaving the batch. Intermediate levels read their accept counts on
-the host once per review (the loop bound is data-dependent and MaG runs on the host); the
-target level's result is read once per step by the engine.
+Random numbers: a row's review r at drafter d draws from stream 1 + 1024 (d + 1) + r, r
+counted per row, so a row's tokens never depend on what else shares the batch.
 """
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
-from csd_engine.strategies.base import DecodeState, StepOutput, require_one_device
+from csd_engine.strategies.base import (DecodeState, Draft, Models, StepOutput, commit, one_hot,
+                                        require_one_device, roll_back_drafters, verify_chain)
+from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
 
 
@@ -69,19 +71,22 @@ class Cascade:
     """k_matrix: n x n for the engine's n drafters (largest first, optionally ending in MaG).
     lenience >= 1 relaxes reviews by drafters (never the target's). mag_tokens: how many
     tokens MaG proposes per call. tree: candidates per depth at the top level (trunk token
-    included), e.g. (3, 2); () verifies a plain chain."""
+    included), e.g. (3, 2); () verifies a plain chain. direct_match: a row whose next MaG match
+    is at least this long sends MaG's tokens straight to the target (0 = never)."""
 
     k_matrix: tuple = ((4,),)
     lenience: float = 1.0
     mag_tokens: int = 10
     tree: tuple = ()
-    stream_base: int = field(default=16, repr=False)
+    direct_match: int = 8
 
     def __post_init__(self):
-        if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
+        if isinstance(self.lenience, bool) or not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
             raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
         if isinstance(self.mag_tokens, bool) or not isinstance(self.mag_tokens, int) or self.mag_tokens < 1:
             raise ValueError(f"mag_tokens must be an int >= 1, got {self.mag_tokens!r}")
+        if isinstance(self.direct_match, bool) or not isinstance(self.direct_match, int) or self.direct_match < 0:
+            raise ValueError(f"direct_match must be an int >= 0 (0 = never), got {self.direct_match!r}")
         rows = self.k_matrix.tolist() if isinstance(self.k_matrix, torch.Tensor) else self.k_matrix
         if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
@@ -93,194 +98,223 @@ class Cascade:
         object.__setattr__(self, "tree", tuple(self.tree))
 
     @staticmethod
-    def auto(**kwargs) -> "AutoCascade":
-        """A cascade that picks K and lenience itself from measured acceptance and costs."""
+    def auto(**kwargs):
+        """A cascade whose rows choose their own drafts from counted acceptance and a fixed cost
+        table (csd_engine.strategies.cascade_auto)."""
+        from csd_engine.strategies.cascade_auto import AutoCascade
         return AutoCascade(**kwargs)
 
-    def decoder(self, engine):
-        if not engine.drafters:
+    def decoder(self, models: Models):
+        if not models.drafters:
             raise ValueError("Cascade needs at least one drafter (e.g. drafters=['mag'])")
-        require_one_device(engine, "Cascade")
-        is_mag = [isinstance(d, MaG) for d in engine.drafters]
-        k = _validate_k_matrix(self.k_matrix, len(engine.drafters), is_mag)
+        require_one_device(models, "Cascade")
+        is_mag = [isinstance(d, MaG) for d in models.drafters]
+        k = _validate_k_matrix(self.k_matrix, len(models.drafters), is_mag)
         if self.tree and all(is_mag):
             raise ValueError("Cascade.tree needs a neural drafter: the extra children are a neural review's "
                              "most likely tokens (MaG proposes one token per position)")
-        if self.tree and max(self.tree) > engine.target.vocab_size:
+        if self.tree and max(self.tree) > models.target.vocab_size:
             raise ValueError(f"Cascade.tree={self.tree} asks for more candidates than the vocabulary has tokens")
-        return CascadeDecoder(engine, k, float(self.lenience), self.mag_tokens, self.tree)
+        return CascadeDecoder(models, compile_plan(k, is_mag, self.mag_tokens), float(self.lenience),
+                              self.mag_tokens, self.tree, self.direct_match)
 
 
-def _max_growth(k, is_mag, mag_tokens) -> int:
-    """Host-side bound on how many tokens one draft(...) call can add (sizes the buffers)."""
-    total = 0
-    for i in range(len(k)):
-        target = sum(k[0][:i + 1])
-        step = mag_tokens if is_mag[i] else _max_growth([r[i + 1:] for r in k[i + 1:]], is_mag[i + 1:], mag_tokens) + 1
-        total = max(total, target - 1 + step) if k[0][i] else total
-    return total
+@dataclass
+class Working:
+    """What one step's drafting works on, beside `state` (explicit, rebuilt every step)."""
+
+    base: torch.Tensor  # [B] first draft slot: committed + 1
+    budgets: list  # per source (Source.index): [B] tokens each row asks of it
+    mag_cap: torch.Tensor  # [B] tokens a top-level MaG call may add to a row
+    q: torch.Tensor | None  # [B, max_draft, V] proposal of each draft slot (None when every row is greedy)
+    reviews: torch.Tensor  # [B] reviews each row had this step (its random stream ids)
+    lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
+    rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
+    alt: torch.Tensor | None = None  # [B, depths, top] tree candidates per depth, -1 unknown
 
 
 class CascadeDecoder:
-    def __init__(self, engine, k, lenience, mag_tokens, tree: tuple = ()):
-        self.engine = engine
-        self.target = engine.target
-        self.drafters = engine.drafters
-        self.is_mag = [isinstance(d, MaG) for d in self.drafters]
-        self.verifier = engine.verifier
-        self.k = k
+    def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
+                 direct_match: int = 0):
+        self.models = models
+        self.levels = plan
+        self.sources = plan.all_sources()
+        self.neural = sorted({s.drafter for s in self.sources if s.below is not None})
+        self.mag = next((d for d in models.drafters if isinstance(d, MaG)), None)
         self.lenience = lenience
         self.mag_tokens = mag_tokens
-        self.max_draft = _max_growth(k, self.is_mag, mag_tokens)
-        self.tree = tree[:self.max_draft]
-        self.extra = sum(b - 1 for b in self.tree)  # nodes beside the trunk
-        self.max_tokens_per_forward = self.max_draft + 2 + self.extra
-        self.alt = None
-        self.layouts = {}  # trunk width -> tree layout and mask (host-known, built once each)
+        self.max_draft = plan.max_growth
+        self.total = sum(s.tokens for s in plan.sources)  # what K asks of the top level in all
+        mag_on_top = any(s.below is None for s in plan.sources)
+        self.direct_match = direct_match if mag_on_top and self.neural else 0
+        self.direct_width = max(self.max_draft, self.total)  # a direct row's MaG draft (and the buffers)
+        self.tree = tree[:self.direct_width]
+        self.extra = sum(b - 1 for b in self.tree)  # tree nodes beside the trunk
+        self.max_tokens_per_forward = self.direct_width + 2 + self.extra
+        self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.direct_width + 1)} \
+            if self.tree else {}
 
-    def start(self, state: DecodeState, prompt_ids) -> None:
-        for d in self.drafters:
-            if isinstance(d, MaG):
-                d.start(prompt_ids)
+    # -- the plan each step reads ---------------------------------------------------------------
+    def plan_rows(self, state: DecodeState) -> torch.Tensor:
+        """[B, drafters + neural sources]: per row, how far each drafter's cache trails the
+        committed prefix (0 for MaG), then its budget of each neural source (a review adds at
+        least one token, so that many review rounds are enough for the row; 0 when the row goes
+        direct or drafts nothing)."""
+        budgets, _ = self.budgets(state, self._direct(state))
+        neural = [budgets[s.index] for s in self.sources if s.below is not None]
+        lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
+               for d in self.models.drafters]
+        return torch.stack(lag + neural, 1)
 
-    def observe(self, emitted):
-        for d in self.drafters:
-            if isinstance(d, MaG):
-                d.commit(emitted)
+    plan = plan_rows  # the engine calls decoder.plan(state)
+
+    def _direct(self, state: DecodeState) -> torch.Tensor:
+        if not self.direct_match:
+            return torch.zeros_like(state.active)
+        end = state.committed + 1
+        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
+        return self.mag.propose(state.tokens, end, end, 1, state.max_committed + 1).match >= self.direct_match
+
+    def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Per source and row, the tokens K asks; a direct row asks nothing of its neural
+        sources and lets MaG fill the whole draft (its MaG cap)."""
+        budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
+        for s in self.sources:
+            if s.below is not None:
+                budgets[s.index] = torch.where(direct, 0, budgets[s.index])
+            elif s in self.levels.sources:
+                budgets[s.index] = torch.where(direct, self.total, budgets[s.index])
+        cap = torch.where(direct, self.direct_width, self.mag_tokens)
+        return budgets, cap
 
     # -- the step ------------------------------------------------------------------------------
-    def step(self, state: DecodeState) -> StepOutput:
-        b, dev = state.batch, state.pending.device
-        base = state.committed + 1  # working sequence = tokens[:committed] + pending + draft
-        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
-        self.q = None if state.all_greedy else torch.zeros(b, self.max_draft, self.target.vocab_size, device=dev)
-        if self.tree:  # per row and depth: the candidates of the last valid neural review, -1 unknown
-            self.alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev)
-        self.reviews = torch.zeros(b, dtype=torch.int64, device=dev)  # per row: its own reviews this step
-        self.current_reviewer = None
-        length = self._draft(state, list(range(len(self.drafters))), self.k, base.clone(), base, state.active)
-        n_draft = length - base
-        width = int(n_draft.max())
-        drafts = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(width, device=dev)).clamp(
-            max=state.tokens.shape[1] - 1))
+    def step(self, state: DecodeState, plan) -> StepOutput:
+        direct = self._direct(state)  # the same flags the plan read (same committed sequence)
+        budgets, cap = self.budgets(state, direct)
+        work = self._working(state, plan, budgets, cap)
+        length = self._draft(state, work, self.levels, work.base.clone(), state.active, grown=0)
+        draft = Draft(self._window(state, work.base, self.direct_width), length - work.base, work.q)
         if self.tree:
-            return self._verify_tree(state, base, drafts, n_draft)
-        ids = torch.cat([state.pending[:, None], drafts], 1)
-        logits = self._forward(self.target, state, ids, state.committed, width + 1)
-        q = None if self.q is None else self.q[:, :width]
-        self.current_reviewer = -1  # the target
-        res = self.verifier.chain(logits, drafts, n_draft, q, lenience=1.0, **state.sampling_args(0))
-        n = res.num_accepted.to(torch.int64)
-        self.target.cache.advance((n + 1) * state.active)
-        for d in self.drafters:
-            if not isinstance(d, MaG):
-                d.cache.rollback(base + n)
-        state.offset += self.max_draft + 2
-        state.metrics.target_forwards += 1
-        state.metrics.record(0, n, n_draft, state.active, width)
-        col = torch.arange(width + 1, device=dev)[None, :]
-        tokens = torch.where(col == n[:, None], res.next_token[:, None], torch.cat([drafts, drafts[:, :1]], 1))
-        return StepOutput(tokens, n + 1)
+            out, trunk = self._verify_tree(state, work, draft)
+        else:
+            out, trunk = verify_chain(self.models, state, draft, counters=self.direct_width + 2)
+        roll_back_drafters(self.models.drafters, work.base + trunk)
+        commit(state, out)
+        return out
 
-    def _draft(self, state, drafters: list[int], k, length, start, rows):
-        """Grow the working sequence of the `rows` (mask) from `start` by the cascade of
-        `drafters` (engine indices) driven by `k`; returns the new lengths. Rows that are
-        done are masked out of further reviews, never split into separate calls."""
-        for i, d in enumerate(drafters):
-            goal = start + sum(k[0][:i + 1])
-            while True:
+    def _working(self, state: DecodeState, plan, budgets, cap) -> Working:
+        b, dev = state.batch, state.pending.device
+        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
+        columns = [max(column) for column in zip(*plan)]  # over the active rows
+        n = len(self.models.drafters)
+        neural = [s.index for s in self.sources if s.below is not None]
+        rounds = dict(zip(neural, columns[n:]))
+        q = None if state.all_greedy else torch.zeros(b, self.direct_width, self.models.target.vocab_size, device=dev)
+        alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
+        return Working(state.committed + 1, budgets, cap, q, torch.zeros(b, dtype=torch.int64, device=dev),
+                       max(columns[:n]), rounds, alt)
+
+    def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
+        """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
+        budget, in host-known rounds. Returns the new lengths; `grown` bounds length - base on
+        entry (host-known, for the forward widths)."""
+        goal = length
+        for source in level.sources:
+            goal = goal + work.budgets[source.index]
+            for _ in range(min(source.calls, work.rounds.get(source.index, source.calls))):
                 need = (length < goal) & rows
-                if not bool(need.any()):
-                    break
-                if self.is_mag[d]:
-                    length = self._mag_append(state, d, length, need)
+                if source.below is None:
+                    m = self.direct_width if level is self.levels else self.mag_tokens
+                    length = self._mag_append(state, work, length, need, m, level is self.levels)
+                    grown += m
                 else:
-                    sub_k = [r[i + 1:] for r in k[i + 1:]]
-                    sub_len = self._draft(state, drafters[i + 1:], sub_k, length.clone(), length, need)
-                    length = self._review(state, d, length, sub_len, need)
+                    sub = self._draft(state, work, source.below, length.clone(), need, grown)
+                    length = self._review(state, work, source, length, sub, need, grown)
+                    grown += source.below.max_growth + 1
         return length
 
-    def _mag_append(self, state, d, length, need):
-        """MaG proposes `mag_tokens` after each row's working sequence (one-hot q)."""
-        mag = self.drafters[d]
-        base = state.committed + 1
-        window = torch.gather(state.tokens, 1, (base[:, None] + torch.arange(self.max_draft, device=base.device))
-                              .clamp(max=state.tokens.shape[1] - 1))
-        host = torch.cat([(length - base)[:, None], window], 1).tolist()  # one host read
-        tails = [row[1:1 + row[0]] for row in host]
-        prop = mag.propose(tails, self.mag_tokens).to(state.tokens.device)
-        m = self.mag_tokens
-        cols = length[:, None] + torch.arange(m, device=length.device)
-        keep = need[:, None].expand(-1, m)
-        cols = torch.where(keep, cols, state.tokens.shape[1] - 1)
-        state.tokens.scatter_(1, cols, torch.where(keep, prop, state.tokens.gather(1, cols)))
-        if self.q is not None:
-            rel = (cols - base[:, None]).clamp(0, self.q.shape[1] - 1)
-            onehot = torch.nn.functional.one_hot(prop, self.q.shape[2]).to(self.q.dtype)
-            old = self.q.gather(1, rel[:, :, None].expand(-1, -1, self.q.shape[2]))
-            self.q.scatter_(1, rel[:, :, None].expand(-1, -1, self.q.shape[2]),
-                            torch.where(keep[:, :, None], onehot, old))
-        return torch.where(need, length + m, length)
+    def _mag_append(self, state, work: Working, length, need, m: int, top: bool):
+        """MaG proposes up to m tokens after each row's working sequence (one-hot q); a row keeps
+        at most its cap (mag_tokens, or a direct row's whole draft)."""
+        proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
+        keep = proposal.length.clamp(max=work.mag_cap if top else self.mag_tokens) * need
+        col = torch.arange(m, device=length.device)[None, :]
+        self._write(state, work, length, proposal.tokens, col < keep[:, None], None)
+        return length + keep
 
-    def _review(self, state, d, mark, sub_len, need):
-        """Drafter d reviews the tokens [mark, sub_len) its sub-cascade proposed; the working
-        sequence keeps the accepted ones plus d's correction/bonus (rows in `need` only)."""
-        model = self.drafters[d]
+    def _review(self, state, work: Working, source: Source, mark, sub_len, need, grown: int):
+        """Drafter `source.drafter` reviews the tokens [mark, sub_len) its sub-cascade proposed;
+        the working sequence keeps the accepted ones plus its correction / bonus (rows in
+        `need` only; the others review nothing and change nothing)."""
+        model = self.models.drafters[source.drafter]
         dev = mark.device
-        m = (sub_len - mark) * need  # rows not in need review nothing and change nothing
+        width = source.below.max_growth  # host bound on sub_len - mark
+        drafted = (sub_len - mark) * need
         model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
         feed_from = model.cache.lengths.clone()
-        width, fed = torch.stack([m.max(), (sub_len - feed_from).max()]).tolist()  # one host read
-        logits = self._forward(model, state, None, feed_from, fed, upto=sub_len)
-        # logits at working positions mark-1 .. mark-1+width (relative to what was fed)
-        rel = (mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]
-        rel = rel.clamp(0, logits.shape[1] - 1)
-        logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))
-        drafts = torch.gather(state.tokens, 1, (mark[:, None] + torch.arange(width, device=dev)).clamp(
-            max=state.tokens.shape[1] - 1))
-        base = state.committed + 1
-        q = None
-        if self.q is not None:
-            qrel = ((mark - base)[:, None] + torch.arange(width, device=dev)).clamp(0, self.q.shape[1] - 1)
-            q = self.q.gather(1, qrel[:, :, None].expand(-1, -1, self.q.shape[2]))
-        self.current_reviewer = d
-        args = state.sampling_args(self.stream_id(d))
-        self.reviews += need.to(torch.int64)
-        res = self.verifier.chain(logits, drafts, m, q, lenience=self.lenience, **args)
-        n = res.num_accepted.to(torch.int64)
-        state.metrics.count_drafter(d)
-        state.metrics.record(d + 1, n, m, need)
-        # Keep accepted drafts, write the correction/bonus after them.
-        pos = torch.where(need, mark + n, state.tokens.shape[1] - 1)
-        state.tokens.scatter_(1, pos[:, None], torch.where(need, res.next_token, state.tokens.gather(1, pos[:, None])[:, 0])[:, None])
-        if self.q is not None:
-            e = self.verifier.emitted_distribution(logits, drafts, m, q, state.temperature, state.top_k, state.top_p,
-                                                   self.lenience, res)
-            dst = ((mark - base)[:, None] + torch.arange(width + 1, device=dev)).clamp(0, self.q.shape[1] - 1)
-            keep = need[:, None] & (torch.arange(width + 1, device=dev)[None, :] <= n[:, None])
-            old = self.q.gather(1, dst[:, :, None].expand(-1, -1, self.q.shape[2]))
-            self.q.scatter_(1, dst[:, :, None].expand(-1, -1, self.q.shape[2]), torch.where(keep[:, :, None], e, old))
-        for other in self.drafters:  # everything past the first rejection is gone, in every cache
-            if not isinstance(other, MaG):
-                other.cache.rollback(torch.where(need, mark + n, other.cache.lengths))
-        if self.alt is not None:
-            self._record_candidates(logits, mark - base, n, need)
-        return torch.where(need, mark + n + 1, mark)
+        fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
+        cols = feed_from[:, None] + torch.arange(fed, device=dev)[None, :]
+        ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
+        bound = min(state.max_committed + 1 + self.direct_width + fed, self.models.capacity)
+        logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
+        model.cache.advance((sub_len - feed_from).clamp(min=0))
+        rel = ((mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]).clamp(0, fed - 1)
+        logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
+        drafts = self._window(state, mark, width)
+        q = None if work.q is None else self._q_at(work, mark, width)
+        args = state.sampling_args(1 + 1024 * (source.drafter + 1) + work.reviews)
+        res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience, **args)
+        work.reviews += need.to(torch.int64)
+        accepted = res.num_accepted.to(torch.int64)
+        state.metrics.count_drafter(source.drafter)
+        state.metrics.record(source.drafter + 1, accepted, drafted, need)
+        e = None
+        if work.q is not None:
+            e = self.models.verifier.emitted_distribution(logits, drafts, drafted, q, state.temperature, state.top_k,
+                                                          state.top_p, self.lenience, res, check_values=False)
+        keep = need[:, None] & (torch.arange(width + 1, device=dev)[None, :] <= accepted[:, None])
+        block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
+        self._write(state, work, mark, block, keep, e)
+        roll_back_drafters(self.models.drafters, torch.where(need, mark + accepted, state.tokens.shape[1]))
+        if work.alt is not None:
+            self._record_candidates(work, logits, mark - work.base, accepted, need)
+        return torch.where(need, mark + accepted + 1, mark)
+
+    def _window(self, state, start, width: int) -> torch.Tensor:
+        cols = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=state.tokens.shape[1] - 1)
+        return torch.gather(state.tokens, 1, cols)
+
+    def _q_at(self, work: Working, start, width: int) -> torch.Tensor:
+        rel = ((start - work.base)[:, None] + torch.arange(width, device=start.device)).clamp(0, work.q.shape[1] - 1)
+        return work.q.gather(1, rel[:, :, None].expand(-1, -1, work.q.shape[2]))
+
+    def _write(self, state, work: Working, start, block, keep, dist):
+        """Write `block` [B, w] at working slots start.. where `keep`, and their proposal
+        distributions into work.q (`dist` [B, w, V], or one-hot of the tokens when None)."""
+        width = state.tokens.shape[1]
+        cols = torch.where(keep, start[:, None] + torch.arange(block.shape[1], device=start.device), width - 1)
+        state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
+        if work.q is None:
+            return
+        vocab = work.q.shape[2]
+        if dist is None:
+            dist = one_hot(block, vocab)
+        rel = (cols - work.base[:, None]).clamp(0, work.q.shape[1] - 1)[:, :, None].expand(-1, -1, vocab)
+        work.q.scatter_(1, rel, torch.where(keep[:, :, None], dist, work.q.gather(1, rel)))
 
     # -- the top-level tree --------------------------------------------------------------------
-    def _record_candidates(self, logits, start, n, need):
+    def _record_candidates(self, work: Working, logits, start, n, need):
         """Keep, per depth, the top tokens of this review's logits at the positions whose prefix
         it accepted (draft offsets start .. start + n, correction included); forget every depth
         past them, whose tokens the review just discarded."""
-        depths, top = self.alt.shape[1], self.alt.shape[2]
+        depths, top = work.alt.shape[1], work.alt.shape[2]
         col = torch.arange(depths, device=start.device)[None, :]
-        stale = need[:, None] & (col > (start + n)[:, None])
-        self.alt.masked_fill_(stale[:, :, None], -1)
+        work.alt.masked_fill_((need[:, None] & (col > (start + n)[:, None]))[:, :, None], -1)
         j = col - start[:, None]  # this review's logit row for each depth
         fresh = need[:, None] & (j >= 0) & (j <= n[:, None]) & (j < logits.shape[1])
         rows = j.clamp(0, logits.shape[1] - 1)[:, :, None].expand(-1, -1, logits.shape[2])
         candidates = logits.gather(1, rows).topk(top, dim=-1).indices  # only the rows a depth uses
-        self.alt = torch.where(fresh[:, :, None], candidates, self.alt)
+        work.alt = torch.where(fresh[:, :, None], candidates, work.alt)
 
     def _tree_layout(self, width: int, device):
         """Node order: the root, then depth by depth the trunk token and its extra siblings, so
@@ -299,233 +333,27 @@ class CascadeDecoder:
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         return TreeShape.build(t([parents]), width), t(trunk), (t(sibling), t(sibling_depth), t(sibling_rank))
 
-    def _verify_tree(self, state, base, drafts, n_draft) -> StepOutput:
-        b, width = drafts.shape
-        if width not in self.layouts:
-            self.layouts[width] = self._tree_layout(width, drafts.device)
+    def _verify_tree(self, state, work: Working, draft: Draft):
+        """The target checks the draft as a tree's trunk; returns (output, accepted trunk nodes)."""
+        b, width = draft.tokens.shape
         shape, trunk, (sibling, sibling_depth, sibling_rank) = self.layouts[width]
-        tokens = torch.zeros(b, shape.parents.shape[1], dtype=torch.int64, device=drafts.device)
+        tokens = torch.zeros(b, shape.parents.shape[1], dtype=torch.int64, device=draft.tokens.device)
         tokens[:, 0] = state.pending
-        tokens[:, trunk] = drafts
+        tokens[:, trunk] = draft.tokens
         if sibling.numel():  # depth d's rank-th candidate other than the trunk token
-            cand = self.alt[:, sibling_depth]  # [B, S, K]
-            is_trunk = cand == drafts[:, sibling_depth, None]
+            cand = work.alt[:, sibling_depth]  # [B, S, K]
+            is_trunk = cand == draft.tokens[:, sibling_depth, None]
             others = cand.gather(2, is_trunk.int().argsort(dim=2, stable=True))  # trunk token moved last
             pick = others.gather(2, sibling_rank[None, :, None].expand(b, -1, 1))[:, :, 0]
             # a depth no neural review scored (-1): a harmless duplicate of the trunk token
-            tokens[:, sibling] = torch.where(pick >= 0, pick, drafts[:, sibling_depth])
-        real = shape.depth <= n_draft[:, None]
+            tokens[:, sibling] = torch.where(pick >= 0, pick, draft.tokens[:, sibling_depth])
+        real = shape.depth <= draft.length[:, None]
         tree = TreeShape(torch.where(real, shape.parents, PADDING), shape.mask.expand(b, -1, -1),
                          shape.depth.expand(b, -1), width)
         q = None
-        if self.q is not None:
-            vocab = self.q.shape[2]
-            q = torch.nn.functional.one_hot(tokens, vocab).float()  # siblings (and the unused root)
-            q[:, trunk] = self.q[:, :width]
-        out, path = verify_tree_and_commit(self.engine, state, tokens, tree, q, drafted=n_draft)
-        on_trunk = (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk
-        for d in self.drafters:
-            if not isinstance(d, MaG):
-                d.cache.rollback(base + on_trunk)
-        state.offset += self.max_draft + 1 - width  # as the chain step: max_draft + 2 counters in all
-        return out
-
-    def stream_id(self, drafter: int) -> torch.Tensor:
-        """[B] random stream of each row's next review by `drafter`: counted per row, so a row's
-        random numbers never depend on how many reviews the other rows of the batch needed."""
-        return 1 + 1024 * (drafter + 1) + self.reviews
-
-    def _forward(self, model, state, ids, feed_from, width, upto=None):
-        """Feed `model` the working-sequence tokens from `feed_from` (its cache length) for
-        `width` positions (or the given ids); returns logits [B, width, V]."""
-        dev = feed_from.device
-        if ids is None:
-            cols = feed_from[:, None] + torch.arange(width, device=dev)[None, :]
-            ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
-        from csd_engine.models.runner import ForwardBatch
-        # Host-known bound (no read): a cache never holds more than the committed prefix, pending
-        # and the largest draft; the runner masks whatever lies past a row's own length.
-        bound = min(state.max_committed + 1 + self.max_draft + ids.shape[1], self.engine.capacity)
-        out = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
-        fed = ids.shape[1] if upto is None else (upto - feed_from).clamp(min=0)
-        if model is not self.target:
-            model.cache.advance(fed if isinstance(fed, torch.Tensor) else torch.full_like(feed_from, fed))
-        return out
-
-
-# -- self-tuning ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AutoCascade:
-    """Cascade that chooses K and lenience itself (for one neural drafter and/or MaG).
-
-    Calibration: a few productive steps in each of a handful of probe configurations measure
-    acceptance (target on drafter tokens, target on MaG tokens, drafter on MaG tokens, per
-    lenience) and each model's forward time as a function of tokens fed. Then the
-    expected-tokens-per-cost model picks the best (K, lenience) from a grid, and it is
-    re-picked every `retune_every` steps from the running statistics."""
-
-    lenience_choices: tuple = (1.0, 2.0, 4.0)
-    max_tokens: int = 10  # largest K entry tried
-    calibration_steps: int = 2
-    retune_every: int = 8
-
-    def decoder(self, engine):
-        require_one_device(engine, "Cascade.auto()")
-        neural = [i for i, d in enumerate(engine.drafters) if not isinstance(d, MaG)]
-        mags = [i for i, d in enumerate(engine.drafters) if isinstance(d, MaG)]
-        if len(neural) > 1 or len(engine.drafters) > 2 or not engine.drafters or (neural and mags and mags[0] < neural[0]):
-            raise ValueError("Cascade.auto() tunes a target with one neural drafter and/or MaG (drafters=[model, 'mag'], "
-                             "[model] or ['mag']); give an explicit Cascade(k_matrix=...) for deeper cascades")
-        return AutoCascadeDecoder(engine, self, has_model=bool(neural), has_mag=bool(mags))
-
-
-def expected_tokens(alphas: list[float]) -> float:
-    """Tokens per review of a chain whose j-th draft is accepted with conditional rate alphas[j]
-    (bonus included): 1 + a1 + a1 a2 + ...; for a constant a this is (1 - a^(k+1)) / (1 - a)."""
-    total, run = 1.0, 1.0
-    for a in alphas:
-        run *= a
-        total += run
-    return total
-
-
-class AutoCascadeDecoder:
-    def __init__(self, engine, cfg: AutoCascade, has_model: bool, has_mag: bool):
-        self.engine, self.cfg = engine, cfg
-        self.has_model, self.has_mag = has_model, has_mag
-        self.costs: dict[int, dict[int, float]] = {}  # model index (-1 target) -> tokens fed -> seconds (EMA)
-        self.rates: dict[tuple, list[float]] = {}  # (reviewer, source, lenience) -> [accepted, tested]
-        self.probes = self._probes()
-        self.steps = 0
-        self.decoder = None
-        m = cfg.max_tokens
-        self.max_tokens_per_forward = _max_growth([[m, m], [0, m]], [False, True], m) + 2
-        self.choice = None
-
-    # probe configurations: each isolates one acceptance rate
-    def _probes(self):
-        m = self.cfg.max_tokens
-        n = len(self.engine.drafters)
-        probes = []
-        if self.has_mag:
-            probes.append((_k(n, self.has_model, 0, 6, 4), 1.0))
-        if self.has_model:
-            for lenience in self.cfg.lenience_choices if self.has_mag else (1.0,):
-                probes.append((_k(n, self.has_model, 4, 0, 4), lenience))
-        return [(k, lenience) for k, lenience in probes if max(map(max, k)) <= m]
-
-    def start(self, state, prompt_ids):
-        self._use(*self.probes[0])
-        self.decoder.start(state, prompt_ids)
-
-    def observe(self, emitted):
-        self.decoder.observe(emitted)
-
-    def _use(self, k, lenience):
-        mag_tokens = max(k[-1][-1], 1) if self.has_mag else 1
-        decoder = CascadeDecoder(self.engine, k, lenience, mag_tokens)
-        decoder._forward = self._timed(decoder._forward)
-        decoder.verifier = _RateRecorder(self.engine.verifier, self, lenience, decoder)
-        if self.decoder is not None:
-            decoder.q = self.decoder.q
-        self.decoder, self.choice = decoder, (k, lenience)
-
-    def _timed(self, forward):
-        def timed(model, state, ids, feed_from, width, upto=None):
-            t = time.perf_counter()
-            out = forward(model, state, ids, feed_from, width, upto)
-            if out.is_cuda:
-                torch.cuda.synchronize()
-            key = -1 if model is self.engine.target else self.engine.drafters.index(model)
-            n = ids.shape[1] if ids is not None else width
-            table = self.costs.setdefault(key, {})
-            dt = time.perf_counter() - t
-            table[n] = dt if n not in table else 0.7 * table[n] + 0.3 * dt
-            return out
-        return timed
-
-    def step(self, state):
-        out = self.decoder.step(state)
-        self.steps += 1
-        calib = self.cfg.calibration_steps
-        phase = self.steps // calib
-        if self.steps % calib == 0 and phase < len(self.probes):
-            self._use(*self.probes[phase])
-        elif phase >= len(self.probes) and (self.steps - len(self.probes) * calib) % self.cfg.retune_every == 0:
-            self._use(*self.best())
-        return out
-
-    # -- the cost model ---------------------------------------------------------------------------
-    def rate(self, reviewer, source, lenience=1.0, default=0.5):
-        acc, tested = self.rates.get((reviewer, source, lenience), (0.0, 0.0))
-        return (acc + default) / (tested + 1.0)  # a weak prior keeps unmeasured rates sane
-
-    def cost(self, model, n):
-        table = self.costs.get(model, {})
-        if not table:
-            return 0.0
-        if n in table:
-            return table[n]
-        pts = sorted(table.items())
-        if len(pts) == 1:
-            return pts[0][1]
-        (n0, c0), (n1, c1) = pts[0], pts[-1]
-        return c0 + (c1 - c0) * (n - n0) / max(n1 - n0, 1)
-
-    def predicted_speed(self, a, b, m, lenience):
-        """Expected tokens per second of K = [[a, b], [0, m]] (a drafter tokens, then b MaG tokens;
-        the drafter reviews m MaG tokens at a time)."""
-        t_model, t_mag = self.rate(-1, "model", lenience), self.rate(-1, "mag")
-        tokens = expected_tokens([t_model] * a + [t_mag] * b)
-        seconds = self.cost(-1, a + b + 1)
-        if a:
-            d = self.engine.drafters.index(next(x for x in self.engine.drafters if not isinstance(x, MaG)))
-            per_review = expected_tokens([self.rate(d, "mag", lenience)] * m) if self.has_mag else 1.0
-            seconds += -(-a // max(per_review, 1.0)) * self.cost(d, m + 1)
-        return tokens / max(seconds, 1e-9)
-
-    def best(self):
-        n = len(self.engine.drafters)
-        grid = range(0, self.cfg.max_tokens + 1, 2)
-        best, choice = -1.0, self.choice
-        for a in grid if self.has_model else [0]:
-            for b in grid if self.has_mag else [0]:
-                if a + b == 0:
-                    continue
-                for m in (grid[1:] if (self.has_mag and self.has_model and a) else [0]):
-                    for lenience in (self.cfg.lenience_choices if a and self.has_mag else (1.0,)):
-                        speed = self.predicted_speed(a, b, m, lenience)
-                        if speed > best:
-                            best, choice = speed, (_k(n, self.has_model, a, b, max(m, 1)), lenience)
-        return choice
-
-
-def _k(n, has_model, a, b, m):
-    """K for drafters [model, mag] (n=2), [model] or [mag] (n=1)."""
-    if n == 2:
-        return ((a, b), (0, m))
-    return ((a,),) if has_model else ((b,),)
-
-
-class _RateRecorder:
-    """Verifier wrapper that records, per (reviewer, source of the drafts), how many drafts
-    were tested and accepted, for the cost model."""
-
-    def __init__(self, verifier, auto, lenience, decoder):
-        self._v, self._auto, self._lenience, self._decoder = verifier, auto, lenience, decoder
-        self.emitted_distribution = verifier.emitted_distribution
-        self.reviewer_probs = verifier.reviewer_probs
-
-    def chain(self, logits, drafts, num_drafts, q, lenience, **args):
-        res = self._v.chain(logits, drafts, num_drafts, q, lenience=lenience, **args)
-        n = res.num_accepted.to(torch.int64)
-        tested = torch.minimum(n + 1, num_drafts.to(torch.int64))
-        reviewer = self._decoder.current_reviewer
-        k = self._decoder.k
-        first_is_model = reviewer == -1 and self._auto.has_model and k[0][0] > 0
-        source = "model" if first_is_model else "mag"
-        lenience_key = self._lenience if source == "model" or reviewer != -1 else 1.0
-        entry = self._auto.rates.setdefault((reviewer, source, lenience_key), [0.0, 0.0])
-        entry[0] += float(n.sum())
-        entry[1] += float(tested.sum())
-        return res
+        if draft.q is not None:
+            q = one_hot(tokens, draft.q.shape[2])  # siblings (and the unused root)
+            q[:, trunk] = draft.q
+        out, path = verify_tree_and_commit(self.models, state, tokens, tree, q, drafted=draft.length)
+        state.offset += self.direct_width + 1 - width  # as the chain step: direct_width + 2 counters in all
+        return out, (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk

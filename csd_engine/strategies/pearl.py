@@ -1,4 +1,4 @@
-"""PEARL (ALGORITHMS.md section 6): the drafter and the target run at the same time.
+"""PEARL (docs/algorithms.md, PEARL): the drafter and the target run at the same time.
 
 Every round is one target forward and `gamma` drafter forwards running concurrently, then
 one chain verification on the main thread. Each row is in one of two modes:
@@ -31,8 +31,7 @@ The parallel part is only the model forwards: decisions never depend on timing.
 
 Modes are per row (a device mask), so ragged acceptance in a batch costs nothing: the
 target reads γ tokens when any row is in post-verify (pre-verify rows pad), one otherwise;
-that choice is read on the host once per step, after the engine's own read has already
-synchronised the device.
+which rows are in post-verify is the step's plan, read with the previous step's tokens.
 
 Concurrency: the drafter side runs in a worker thread owned by the decoder (PyTorch releases
 the GIL inside its ops), on CPU and GPU alike; on CUDA it also runs on a side stream, which
@@ -53,10 +52,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import DecodeState, StepMetrics, StepOutput, emitted_block, forward_tokens
+from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Models, StepMetrics, StepOutput,
+                                        commit, emitted_block, forward_tokens)
 from csd_engine.strategies.speculative import draft_chain
-
-TARGET_STREAM, DRAFT_STREAM = 0, 1
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class Pearl:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"Pearl.adaptive must be True or False, got {self.adaptive!r}")
 
-    def decoder(self, engine):
+    def decoder(self, engine: Models):
         if self.drafter >= len(engine.drafters):
             raise ValueError(f"Pearl(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
                              f"the engine has {len(engine.drafters)} drafter(s)")
@@ -122,10 +120,14 @@ class PearlDecoder:
         state.metrics.draft_lengths = torch.zeros(b, self.gamma + 1, dtype=torch.int64, device=dev)
         state.metrics.wait_time_s = {"drafter": 0.0, "target": 0.0}
 
-    def step(self, state: DecodeState) -> StepOutput:
+    def plan(self, state: DecodeState) -> torch.Tensor:
+        """[B, 1]: 1 where the row starts the next round in post-verify (drafts carried)."""
+        return self.post[:, None].to(torch.int64)
+
+    def step(self, state: DecodeState, plan) -> StepOutput:
         g = self.gamma
         post = self.post & state.active
-        any_post = bool(post.any())  # the device is idle here: the engine has just read the last step
+        any_post = any(row[0] for row in plan)
         job = self._submit_drafter(state, post, any_post)
         target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
         logits = forward_tokens(self.target, state, target_ids)
@@ -155,7 +157,9 @@ class PearlDecoder:
         m.count_drafter(self.drafter_index, g)
         m.record(0, n, num_drafts, state.active, drafts.shape[1])
         m.draft_lengths.scatter_add_(1, num_drafts[:, None], state.active.to(torch.int64)[:, None])
-        return StepOutput(emitted_block(drafts, n, res.next_token), counts)
+        out = StepOutput(emitted_block(drafts, n, res.next_token), counts)
+        commit(state, out)
+        return out
 
     def _submit_drafter(self, state: DecodeState, post: torch.Tensor, any_post: bool):
         if self.side_stream is not None and self.target_device.type == "cuda":
@@ -179,8 +183,8 @@ class PearlDecoder:
                                    temperature=state.temperature.to(dd), top_k=state.top_k.to(dd),
                                    top_p=state.top_p.to(dd), seed=state.seed.to(dd), offset=state.offset.to(dd),
                                    max_committed=state.max_committed + self.gamma - 1, metrics=StepMetrics())
-            tokens, probs = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
-        return tokens, probs, time.perf_counter()
+            draft = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
+        return draft.tokens, draft.q, time.perf_counter()
 
     def _join(self, job, metrics: StepMetrics, target_done: float):
         """Wait for the drafter; book which side waited for the other (host wall clock)."""

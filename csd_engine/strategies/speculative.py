@@ -1,19 +1,25 @@
-"""Chain speculative decoding: one drafter (a model or MaG) drafts k tokens, the target
-verifies them in one forward, every cache rolls back by length (ALGORITHMS.md section 1)."""
+"""Chain speculative decoding: one drafter (a model or MaG) drafts up to k tokens, the target
+verifies them in one forward, every cache rolls back by length (docs/algorithms.md, chain
+verification).
+
+With MaG the draft is what MaG matched, per row (0..k tokens): a row with nothing worth
+proposing decodes one token. MaG's proposal depends on the committed sequence only, so its
+length is the step's `plan`, read with the previous step's tokens: the target reads exactly
+as many tokens as the longest proposal in the batch, none past it.
+"""
 from dataclasses import dataclass
 
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import (DecodeState, StepOutput, catch_up_tokens, emitted_block, forward_tokens,
-                                        logits_at, require_one_device)
-
-TARGET_STREAM, DRAFT_STREAM = 0, 1
+from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, catch_up_tokens,
+                                        commit, forward_tokens, logits_at, require_one_device, roll_back_drafters,
+                                        verify_chain)
 
 
 @dataclass(frozen=True)
 class Speculative:
-    """k draft tokens per target forward from engine.drafters[drafter]."""
+    """Up to k draft tokens per target forward from drafters[drafter] (a model drafts exactly k)."""
 
     k: int = 4
     drafter: int = 0
@@ -22,18 +28,18 @@ class Speculative:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
             raise ValueError(f"Speculative.k must be an int in [1, 64], got {self.k!r}")
 
-    def decoder(self, engine):
-        if not 0 <= self.drafter < len(engine.drafters):
+    def decoder(self, models: Models):
+        if not 0 <= self.drafter < len(models.drafters):
             raise ValueError(f"Speculative(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
-                             f"the engine has {len(engine.drafters)} drafter(s)")
-        require_one_device(engine, "Speculative")
-        return SpeculativeDecoder(engine, self.k, self.drafter)
+                             f"the engine has {len(models.drafters)} drafter(s)")
+        require_one_device(models, "Speculative")
+        return SpeculativeDecoder(models, self.k, self.drafter)
 
 
-def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metrics_index: int):
+def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metrics_index: int) -> Draft:
     """k tokens drafted autoregressively by a neural drafter (sampled at the request's own
-    temperature / top-k / top-p). Returns (tokens [B, k], q [B, k, V] or None when greedy).
-    The drafter ends with pending, x_1..x_{k-1} written after the committed prefix."""
+    temperature / top-k / top-p; q is None when every row is greedy). The drafter ends with
+    pending, x_1..x_{k-1} written after the committed prefix."""
     ids, counts = catch_up_tokens(state, drafter, max_behind=1)
     logits = logits_at(forward_tokens(drafter, state, ids), counts - 1)
     drafter.cache.advance(counts * state.active)
@@ -49,42 +55,38 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
         tokens.append(verifier.chain(logits[:, None], none, zero, None, lenience=1.0, **args).next_token)
         if not state.all_greedy:
             probs.append(verifier.reviewer_probs(logits, state.temperature, state.top_k, state.top_p,
-                                                filtered=state.any_filtered))
+                                                filtered=state.any_filtered, max_top_k=state.max_top_k))
     state.metrics.count_drafter(metrics_index, k)
-    return torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
+    return Draft(torch.stack(tokens, 1), torch.full_like(zero, k), torch.stack(probs, 1) if probs else None)
+
+
+def mag_draft(mag: MaG, state: DecodeState, k: int) -> Draft:
+    """What MaG proposes after each row's committed sequence (pending included), up to k tokens."""
+    end = state.committed + 1
+    proposal = mag.propose(state.tokens, end, end, k, search_bound=state.max_committed + 1)
+    return Draft(proposal.tokens, proposal.length * state.active)
 
 
 class SpeculativeDecoder:
-    def __init__(self, engine, k: int, drafter_index: int):
-        self.target = engine.target
-        self.drafter = engine.drafters[drafter_index]
+    def __init__(self, models: Models, k: int, drafter_index: int):
+        self.models = models
+        self.drafter = models.drafters[drafter_index]
         self.drafter_index = drafter_index
-        self.verifier = engine.verifier
         self.k = k
         self.max_tokens_per_forward = k + 2
 
-    def start(self, state: DecodeState, prompt_ids) -> None:
-        if isinstance(self.drafter, MaG):
-            self.drafter.start(prompt_ids)
+    def plan(self, state: DecodeState) -> torch.Tensor | None:
+        """[B, 1]: the length of each row's next MaG proposal (None with a model drafter)."""
+        return mag_draft(self.drafter, state, self.k).length[:, None] if isinstance(self.drafter, MaG) else None
 
-    def observe(self, emitted: list[list[int]]) -> None:
+    def step(self, state: DecodeState, plan=None) -> StepOutput:
         if isinstance(self.drafter, MaG):
-            self.drafter.commit(emitted)
-
-    def step(self, state: DecodeState) -> StepOutput:
-        k, dev = self.k, state.pending.device
-        if isinstance(self.drafter, MaG):
-            drafts, q = self.drafter.propose([[]] * state.batch, k).to(dev), None
+            width = max((row[0] for row in plan), default=0)  # the longest proposal of an active row
+            draft = mag_draft(self.drafter, state, self.k)
+            draft = Draft(draft.tokens[:, :width], draft.length.clamp(max=width))
         else:
-            drafts, q = draft_chain(self.drafter, state, k, self.verifier, DRAFT_STREAM, self.drafter_index)
-        logits = forward_tokens(self.target, state, torch.cat([state.pending[:, None], drafts], 1))
-        num_drafts = torch.full((state.batch,), k, dtype=torch.int64, device=dev)
-        res = self.verifier.chain(logits, drafts, num_drafts, q, lenience=1.0, **state.sampling_args(TARGET_STREAM))
-        n = res.num_accepted.to(torch.int64)
-        self.target.cache.advance((n + 1) * state.active)
-        if not isinstance(self.drafter, MaG):  # its entries past the accepted prefix are stale
-            self.drafter.cache.rollback(state.committed + n + 1)
-        state.offset += k + 1
-        state.metrics.target_forwards += 1
-        state.metrics.record(0, n, num_drafts, state.active, drafts.shape[1])
-        return StepOutput(emitted_block(drafts, n, res.next_token), n + 1)
+            draft = draft_chain(self.drafter, state, self.k, self.models.verifier, DRAFT_STREAM, self.drafter_index)
+        out, accepted = verify_chain(self.models, state, draft, counters=self.k + 1)
+        roll_back_drafters([self.drafter], state.committed + accepted + 1)  # drafts past the accepted are stale
+        commit(state, out)
+        return out

@@ -1,4 +1,4 @@
-"""Staged speculative decoding (ALGORITHMS.md section 5): a neural drafter grows a token
+"""Staged speculative decoding (docs/algorithms.md, token trees): a neural drafter grows a token
 tree, MaG extends it (the second stage), the target verifies the whole tree in one forward.
 
 The tree has the same shape in every row, so its parent array, attention mask and depths
@@ -10,15 +10,17 @@ Second stage: MaG continues the drafter's most likely path (the first child at e
 depth) by `mag_tokens` more nodes, hung as a chain under that path's leaf. The drafter does
 not review them; the target verifies them like any other node, so output stays lossless.
 MaG is the engine's own MaG drafter if it has one (its bigram table included), else a
-fresh MaG without a bigram table. Its proposals are made on the host: a step with
-`mag_tokens > 0` reads the drafter's path (a few ints per row) once.
+fresh MaG without a bigram table. It matches the drafter's path appended to the committed
+sequence, on the device; where it proposes fewer than `mag_tokens` tokens the chain's
+remaining nodes are padding (their parent -2), never verified.
 """
 from dataclasses import dataclass
 
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import DecodeState, StepOutput, require_one_device
+from csd_engine.ops import PADDING
+from csd_engine.strategies.base import DecodeState, Models, StepOutput, commit, require_one_device
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)
 
@@ -57,7 +59,7 @@ class Staged:
     def depth(self) -> int:
         return len(self.branching) + self.mag_tokens
 
-    def decoder(self, engine):
+    def decoder(self, engine: Models):
         drafters = engine.drafters
         if self.drafter >= len(drafters) or isinstance(drafters[self.drafter], MaG):
             neural = [i for i, d in enumerate(drafters) if not isinstance(d, MaG)]
@@ -72,8 +74,8 @@ class Staged:
 
 
 class StagedDecoder:
-    def __init__(self, engine, config: Staged):
-        self.engine = engine
+    def __init__(self, engine: Models, config: Staged):
+        self.models = engine
         self.drafter = engine.drafters[config.drafter]
         self.drafter_index = config.drafter
         self.branching = config.branching
@@ -87,18 +89,24 @@ class StagedDecoder:
         self.tree = TreeShape.build(torch.tensor([parents], device=engine.device), config.depth)
         self.max_tokens_per_forward = len(parents)
 
-    def start(self, state: DecodeState, prompt_ids) -> None:
-        if self.mag is not None:
-            self.mag.start(prompt_ids)
-
-    def observe(self, emitted: list[list[int]]) -> None:
-        if self.mag is not None:
-            self.mag.commit(emitted)
-
-    def step(self, state: DecodeState) -> StepOutput:
+    def step(self, state: DecodeState, plan=None) -> StepOutput:
         # The drafter trails the committed prefix by at most the last step's accepted path.
         tokens = grow_tree(self.drafter, state, self.branching, self.tree, self.tree.max_depth, self.drafter_index)
+        tree = self.tree.expand(state.batch)
         if self.mag is not None:
-            tails = tokens[:, self.likely_path].tolist()
-            tokens = torch.cat([tokens, self.mag.propose(tails, self.mag_tokens).to(tokens.device)], dim=1)
-        return verify_tree_and_commit(self.engine, state, tokens, self.tree.expand(state.batch))[0]
+            proposal = self._mag_stage(state, tokens[:, self.likely_path])
+            tokens = torch.cat([tokens, proposal.tokens], dim=1)
+            chain = torch.arange(self.mag_tokens, device=tokens.device)[None, :] < proposal.length[:, None]
+            real = torch.cat([torch.ones_like(tokens[:, :-self.mag_tokens], dtype=torch.bool), chain], 1)
+            tree = TreeShape(torch.where(real, tree.parents, PADDING), tree.mask, tree.depth, tree.max_depth)
+        out = verify_tree_and_commit(self.models, state, tokens, tree)[0]
+        commit(state, out)
+        return out
+
+    def _mag_stage(self, state: DecodeState, path: torch.Tensor):
+        """MaG continues committed sequence + pending + the drafter's likely path, written after
+        the committed prefix (scratch slots the next commit overwrites)."""
+        base = state.committed + 1
+        cols = torch.cat([state.committed[:, None], base[:, None] + torch.arange(path.shape[1], device=path.device)], 1)
+        state.tokens.scatter_(1, cols.clamp(max=state.tokens.shape[1] - 1), torch.cat([state.pending[:, None], path], 1))
+        return self.mag.propose(state.tokens, base + path.shape[1], base, self.mag_tokens, state.max_committed + 1)

@@ -1,4 +1,4 @@
-"""Token trees (ALGORITHMS.md section 5): their shape, growing one with a neural drafter, and
+"""Token trees (docs/algorithms.md, token trees): their shape, growing one with a neural drafter, and
 verifying one with the target in a single forward.
 
 A tree is a parent array whose node 0 is the root, the row's `pending` token (position
@@ -13,9 +13,8 @@ import torch
 
 from csd_engine.models.runner import ForwardBatch, Runner
 from csd_engine.ops import ROOT, build_tree_mask
-from csd_engine.strategies.base import (DecodeState, StepOutput, catch_up_tokens, emitted_block, forward_tokens,
-                                        logits_at)
-from csd_engine.strategies.speculative import TARGET_STREAM
+from csd_engine.strategies.base import (TARGET_STREAM, DecodeState, Models, StepOutput, catch_up_tokens,
+                                        emitted_block, forward_tokens, logits_at)
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], t
     return torch.cat(levels, dim=1)
 
 
-def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tree: TreeShape,
+def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Tensor, tree: TreeShape,
                            draft_probs: torch.Tensor | None = None,
                            drafted: torch.Tensor | None = None) -> tuple[StepOutput, torch.Tensor]:
     """The target reviews `tokens` [B, N] (tokens[:, 0] = pending) arranged as `tree` in one
@@ -106,12 +105,13 @@ def verify_tree_and_commit(engine, state: DecodeState, tokens: torch.Tensor, tre
     draft_probs: None for deterministic children, else [B, N, V] (the q each node was drawn
     from). drafted: [B] depth of each row's tree, for the metrics (default: from tree.depth).
     The target's cache ends holding pending and the accepted path in contiguous slots; the
-    random counters offset .. offset + max_depth are consumed."""
-    target = engine.target
+    random counters offset .. offset + max_depth are consumed. The caller commits the output."""
+    target = models.target
     n_nodes = tokens.shape[1]
     logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
                                  tree.mask))
-    result = engine.verifier.tree(logits, tokens, tree.parents, draft_probs, **state.sampling_args(TARGET_STREAM))
+    result = models.verifier.tree(logits, tokens, tree.parents, draft_probs, all_greedy=state.all_greedy,
+                                  **state.sampling_args(TARGET_STREAM))
     accepted = result.num_accepted.to(torch.int64)
     path = result.accepted_nodes[:, :tree.max_depth]  # node at depth 1, 2, ...; -1 after the path
 

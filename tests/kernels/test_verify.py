@@ -1,5 +1,5 @@
 """Chain verification: the Triton kernel against its PyTorch reference, and both against the rules
-and exact distributions of ALGORITHMS.md sections 1 and 2.
+and exact distributions of docs/algorithms.md (chain verification, lenience).
 
 * Fresh random batches mixing greedy, plain and top-k / top-p sampling rows, ragged drafts that
   are often accepted: the kernel reproduces the reference exactly (same random numbers).

@@ -15,7 +15,7 @@ def _native_logits_in_steps(runner, ids, splits):
     for end in splits + [ids.shape[1]]:
         chunk = ids[:, start:end]
         out.append(runner(ForwardBatch.chain(chunk, runner.cache.lengths, end)))
-        runner.cache.advance(torch.full((ids.shape[0],), end - start))
+        runner.cache.advance(torch.full((ids.shape[0],), end - start, device=runner.cache.lengths.device))
         start = end
     return torch.cat(out, dim=1)
 

@@ -123,3 +123,38 @@ def test_nan_logits_are_a_clear_error_and_the_engine_stays_usable(strategy):
         engine.generate([[1, 2, 3], [4, 5, 6]], params, strategy=chosen)
     clean = engine.generate([[1, 2, 3]], params, strategy=chosen)[0].token_ids
     assert clean == Engine(healthy, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0].token_ids
+
+
+def test_seed_none_is_fresh_per_request_and_stops_add_to_eos():
+    """One params object with seed=None serves many requests: each draws its own seed (rows of
+    one call and repeated calls differ). stop_token_ids end a request in addition to EOS."""
+    model = tiny_llama(seed=12)
+    engine = Engine(model, max_batch_size=4, max_seq_len=48, verify_backend="torch")
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    rows = [r.token_ids for r in engine.generate([[1, 2, 3]] * 4, params)]
+    again = engine.generate([[1, 2, 3]], params)[0].token_ids
+    assert len({tuple(r) for r in rows + [again]}) > 1, "seed=None gave the same tokens to every request"
+    free = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))[0].token_ids
+    model.config.eos_token_id = None
+    engine.target.eos_token_ids = (free[6],)  # as the loader sets it from the generation config
+    stop = next(t for t in free[2:] if t != free[6] and free.index(t) < free.index(free[6]))
+    first = min(free.index(stop), free.index(free[6]))
+    both = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, stop_token_ids=[stop]))[0]
+    assert both.token_ids == free[:first + 1] and both.finish_reason == "stop"
+    eos_only = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))[0]
+    assert eos_only.token_ids == free[:free.index(free[6]) + 1]
+    ignored = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert ignored.token_ids == free
+    assert SamplingParams(max_tokens=5).max_new_tokens == 5
+    with pytest.raises(ValueError, match="disagree"):
+        SamplingParams(max_tokens=5, max_new_tokens=6)
+
+
+def test_each_request_has_its_own_wall_time_and_time_to_first_token():
+    engine = Engine(tiny_llama(seed=13), max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    short, long = engine.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_new_tokens=2),
+                                                        SamplingParams(max_new_tokens=40)])
+    for r in (short, long):
+        assert 0 < r.metrics.time_to_first_token_s <= r.metrics.wall_time_s
+    assert short.metrics.wall_time_s < long.metrics.wall_time_s
+    assert short.metrics.time_to_first_token_s == long.metrics.time_to_first_token_s  # the same first step

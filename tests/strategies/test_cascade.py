@@ -110,40 +110,35 @@ def test_bad_lenience_and_mag_tokens():
         Cascade(mag_tokens=0)
 
 
-def test_auto_is_lossless_while_it_retunes(models):
+def test_auto_is_lossless(models):
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=160, verify_backend="torch")
     prompts = random_prompts(3, lo=2, hi=10, seed=int(torch.randint(0, 10**6, (1,))))
     prompts[1] = prompts[1][:2] * 6
-    auto = Cascade.auto(calibration_steps=2, retune_every=3)
-    out = assert_greedy_equals_autoregressive(engine, prompts, auto, max_new_tokens=60)
+    out = assert_greedy_equals_autoregressive(engine, prompts, Cascade.auto(max_tokens=4), max_new_tokens=60)
     assert out[0].metrics.mean_accepted_tokens > 1.0
-    assert_samples_follow_target(engine.__class__(target, drafters=[d1, "mag"], max_batch_size=1500, max_seq_len=32,
-                                                  verify_backend="torch"),
-                                 target, [4, 9, 4, 9], Cascade.auto(calibration_steps=1), temperature=1.0, draws=1500)
+    assert_samples_follow_target(Engine(target, drafters=[d1, "mag"], max_batch_size=1500, max_seq_len=32,
+                                        verify_backend="torch"),
+                                 target, [4, 9, 4, 9], Cascade.auto(), temperature=1.0, draws=1500)
 
 
-def test_auto_cost_model_prefers_what_is_cheap_and_accepted(models):
-    """With measured rates and costs filled in by hand, the choice follows the model:
-    a drafter the target always accepts and that costs nothing is used for long drafts."""
-    from csd_engine.strategies.cascade import AutoCascadeDecoder, expected_tokens
+def test_auto_budgets_follow_counted_acceptance_and_costs(models):
+    """Each row picks its own budgets from its counted rates and the fixed costs: a row whose
+    drafts the target always accepts drafts long, with the cheap model first; a row whose drafts
+    are always rejected drafts nothing (plain decoding); a row with a long MaG match goes direct."""
+    from csd_engine.strategies.base import StepMetrics
     target, d1, _ = models
-    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
-    auto = Cascade.auto().decoder(engine)
-    assert isinstance(auto, AutoCascadeDecoder)
-    assert expected_tokens([0.5] * 3) == pytest.approx((1 - 0.5 ** 4) / (1 - 0.5))
-    auto.costs = {-1: {1: 1.0, 11: 1.1}, 0: {1: 0.001, 11: 0.002}}
-    auto.rates = {(-1, "model", 1.0): [999.0, 1000.0], (-1, "mag", 1.0): [0.0, 1000.0],
-                  (0, "mag", 1.0): [0.0, 1000.0]}
-    for lenience in (2.0, 4.0):  # lenience only hurts here: the target rejects what it lets through
-        auto.rates[(-1, "model", lenience)] = [100.0, 1000.0]
-        auto.rates[(0, "mag", lenience)] = [900.0, 1000.0]
-    k, lenience = auto.best()
-    assert k[0][0] == auto.cfg.max_tokens and k[0][1] == 0 and lenience == 1.0
-    auto.rates[(-1, "model", 1.0)] = [0.0, 1000.0]  # now the drafter is useless and MaG is perfect
-    auto.rates[(-1, "mag", 1.0)] = [999.0, 1000.0]
-    k, _ = auto.best()
-    assert k[0][0] == 0 and k[0][1] == auto.cfg.max_tokens
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
+    decoder = Cascade.auto(max_tokens=6, model_cost=0.05).decoder(engine._decoder_models())
+    state = engine._start([[1, 2, 3], [4, 5, 6]], [SamplingParams()] * 2)
+    state.metrics = StepMetrics(level_accepted={0: torch.tensor([1000, 0]), 1: torch.tensor([1000, 0])},
+                                level_drafted={0: torch.tensor([1000, 1000]), 1: torch.tensor([1000, 1000])})
+    budgets, _ = decoder.budgets(state, torch.tensor([False, False]))
+    model, mag = budgets[decoder.neural_source.index], budgets[decoder.mag_source.index]
+    assert model[0] + mag[0] == 12 and model[0] == 6
+    assert model[1] == 0 and mag[1] == 0
+    budgets, cap = decoder.budgets(state, torch.tensor([False, True]))
+    assert budgets[decoder.neural_source.index][1] == 0 and budgets[decoder.mag_source.index][1] > 0
 
 
 def test_tree_at_the_top_level_greedy_fuzz(models):

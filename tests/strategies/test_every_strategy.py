@@ -11,10 +11,15 @@
 The PyTorch verification backend keeps these fast (tests/kernels prove that the Triton
 kernels draw the same tokens).
 """
+import copy
+
 import pytest
 import torch
 
+import csd_engine.models.llama
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
+from csd_engine.models.loader import load_runner
+from csd_engine.models.runner import Runner
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
 
 MAX_SEQ_LEN = 64
@@ -113,7 +118,8 @@ def test_stop_tokens_end_the_request_at_their_first_occurrence(models, name, tem
     for j, r in zip(firsts, results):
         assert r.token_ids == ids[:j + 1], f"{name}: stop token {ids[j]} (first at {j}) did not end the request there"
         assert r.finish_reason == "stop"
-    if name not in ("autoregressive", "speculative-mag", "pearl"):  # (their MAT is ~1 on this fixture)
+    # (not those whose MAT is ~1 here; Cascade.auto() learns that drafting does not pay on it)
+    if name not in ("autoregressive", "speculative-mag", "pearl", "cascade-auto"):
         assert free.metrics.target_forwards < len(ids), "no step committed more than one token"
 
 
@@ -164,3 +170,54 @@ def test_drafters_identical_to_the_target_are_always_accepted(models, name, temp
         assert m.drafted > 0
         assert m.accepted == m.drafted, f"{name}: the target rejected {m.drafted - m.accepted} of {m.drafted} " \
                                         "drafts of a drafter identical to it"
+
+
+class WrongEveryThird(Runner):
+    """A drafter with a known greedy acceptance: the target's own model, except that its top
+    token is forbidden wherever the predicted token's position is a multiple of 3. With a
+    correct cache its draft at position t is the target's greedy token iff t % 3 != 0."""
+
+    def __init__(self, model):
+        self.inner, _ = load_runner(copy.deepcopy(model), "cpu", torch.float32)
+        self.vocab_size, self.num_params, self.device = self.inner.vocab_size, self.inner.num_params, self.inner.device
+
+    @property
+    def cache(self):
+        return self.inner.cache
+
+    def allocate(self, batch: int, capacity: int) -> None:
+        self.inner.allocate(batch, capacity)
+
+    def use_rows(self, batch: int) -> None:
+        self.inner.use_rows(batch)
+
+    def forward(self, batch):
+        logits = self.inner(batch)
+        if logits is None:  # a prefill
+            return None
+        wrong = ((batch.positions + 1) % 3 == 0)[..., None]
+        top = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).bool()
+        return logits.masked_fill(wrong & top, -1e9)  # finite: the engine refuses NaN / inf logits
+
+
+@pytest.mark.parametrize("name,strategy", [("speculative", Speculative(k=4)),
+                                           ("cascade", Cascade(k_matrix=[[3, 0], [0, 2]], mag_tokens=2, direct_match=0))])
+def test_acceptance_matches_a_drafter_of_known_rate(models, monkeypatch, name, strategy):
+    """A cache that keeps a rejected token (or drops an accepted one) shows the drafter another
+    context, so it disagrees with the target where it should not: acceptance falls below the
+    exact count (checked with CSD_DEBUG's bound checks off)."""
+    monkeypatch.setattr(csd_engine.models.llama, "DEBUG_CHECKS", False)
+    target = models["target"]
+    drafter = WrongEveryThird(target)
+    engine = Engine(target, drafters=[drafter] if name == "speculative" else [drafter, "mag"], max_batch_size=4,
+                    max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
+    prompts = random_prompts(4, lo=2, hi=12, seed=23)
+    for prompt, r in zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True),
+                                                  strategy=strategy)):
+        # the last step may emit past max_new_tokens: count the steps the output needed
+        steps_accepted = r.metrics.accepted
+        c, emitted, expected = len(prompt) - 1, 0, 0
+        while emitted < len(r.token_ids):
+            a = (3 - (c + 1) % 3) % 3
+            expected, emitted, c = expected + a, emitted + a + 1, c + a + 1
+        assert steps_accepted == expected, f"{name}: {steps_accepted} drafts accepted, a correct cache gives {expected}"

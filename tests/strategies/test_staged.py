@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine.strategies.base import commit
 from csd_engine.strategies.staged import Staged
 from csd_engine.strategies.tree import TreeShape, branching_parents, verify_tree_and_commit
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
@@ -113,9 +114,11 @@ class OracleTrees:
             tokens.append(right if node in path else wrong)
         return tokens
 
-    def step(self, state):
+    def step(self, state, plan=None):
         rows = [self._row(r, c, p) for r, (c, p) in enumerate(zip(state.committed.tolist(), state.pending.tolist()))]
-        return verify_tree_and_commit(self.engine, state, torch.tensor(rows), self.tree.expand(state.batch))[0]
+        out = verify_tree_and_commit(self.engine, state, torch.tensor(rows), self.tree.expand(state.batch))[0]
+        commit(state, out)
+        return out
 
 
 def cached_kv(runner, row: int, length: int) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Cascade.auto(): every row chooses its own draft budgets each step, deterministically.
+
+The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
+K = [[A, B], [0, M]] (A = B = max_tokens neural / MaG tokens for the target, M = mag_tokens
+MaG tokens per review by the model). Before each step a row picks (a, b) <= (A, B) that
+maximises its expected tokens per cost:
+
+    tokens(a, b) = 1 + alpha + ... + alpha^(a+b)        (chain rule, one rate alpha)
+    cost(a, b)   = 1 + width_cost (a + b) + c_model ceil(a / (1 + beta M))
+
+alpha: the row's counted rate of drafts the target accepted, beta: of MaG tokens the model
+accepted (counted in this generate call, with a prior of 0.5 worth `prior` drafts);
+c_model: the model's forward cost relative to the target's, from parameter counts unless
+`costs` gives it. a = b = 0 is plain decoding. Nothing here is timed: a seeded request gives
+the same tokens whatever shares its batch and however often it runs. Rows with a long MaG
+match still go direct (Cascade.direct_match).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from csd_engine.drafters.mag import MaG
+from csd_engine.strategies.base import DecodeState, Models, require_one_device
+from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
+
+
+@dataclass(frozen=True)
+class AutoCascade:
+    max_tokens: int = 6  # largest budget tried per source
+    lenience: float = 2.0
+    mag_tokens: int = 4
+    direct_match: int = 8
+    width_cost: float = 0.02  # extra cost of one more token in a forward, relative to a one-token forward
+    prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
+    model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
+
+    def __post_init__(self):
+        for name in ("max_tokens", "mag_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cascade.auto({name}=...) must be an int >= 1, got {value!r}")
+        if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
+            raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
+        if self.model_cost is not None and not self.model_cost > 0:
+            raise ValueError(f"model_cost must be > 0 (relative to one target forward), got {self.model_cost!r}")
+
+    def decoder(self, models: Models):
+        require_one_device(models, "Cascade.auto()")
+        kinds = ["mag" if isinstance(d, MaG) else "model" for d in models.drafters]
+        if kinds not in (["model", "mag"], ["mag"]):
+            raise ValueError(f"Cascade.auto() tunes a target with one neural drafter and MaG (drafters=[model, "
+                             f"'mag']) or MaG alone (['mag']); this engine's drafters are {kinds}: give an explicit "
+                             "Cascade(k_matrix=...) for deeper cascades")
+        a, m = self.max_tokens, self.mag_tokens
+        k = ((a, a), (0, m)) if len(kinds) == 2 else ((a,),)
+        plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
+        cost = self.model_cost
+        if cost is None and len(kinds) == 2:
+            cost = models.drafters[0].num_params / models.target.num_params
+        return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self, cost or 0.0)
+
+
+class AutoCascadeDecoder(CascadeDecoder):
+    def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, config: AutoCascade, model_cost: float):
+        super().__init__(models, plan, lenience, mag_tokens, tree, direct_match)
+        self.config, self.model_cost = config, model_cost
+        top = self.levels.sources
+        self.neural_source = next((s for s in top if s.below is not None), None)
+        self.mag_source = next(s for s in top if s.below is None)
+        a = torch.arange(config.max_tokens + 1) if self.neural_source else torch.zeros(1, dtype=torch.int64)
+        b = torch.arange(config.max_tokens + 1)
+        self.grid_a, self.grid_b = (g.flatten().to(models.device) for g in torch.meshgrid(a, b, indexing="ij"))
+
+    def budgets(self, state: DecodeState, direct: torch.Tensor):
+        budgets, cap = super().budgets(state, direct)
+        metrics, cfg = state.metrics, self.config
+        alpha = self._rate(metrics, 0, state)
+        beta = self._rate(metrics, 1, state) if self.neural_source else torch.zeros_like(alpha)
+        depth = (self.grid_a + self.grid_b).to(alpha.dtype)  # [G]
+        j = torch.arange(2 * cfg.max_tokens + 1, device=alpha.device, dtype=alpha.dtype)
+        powers = alpha[:, None] ** j[None, :]  # [B, J]
+        tokens = torch.cumsum(powers, 1).gather(1, (self.grid_a + self.grid_b)[None, :].expand(alpha.shape[0], -1))
+        reviews = torch.ceil(self.grid_a[None, :] / (1 + beta[:, None] * self.mag_tokens))
+        cost = 1 + cfg.width_cost * depth[None, :] + self.model_cost * reviews
+        best = (tokens / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
+        choose_b = torch.where(direct, budgets[self.mag_source.index], self.grid_b[best])
+        budgets[self.mag_source.index] = choose_b
+        if self.neural_source is not None:
+            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid_a[best])
+        return budgets, cap
+
+    def _rate(self, metrics, level: int, state: DecodeState) -> torch.Tensor:
+        """[B] counted acceptance rate at `level` (0: the target, 1: the model), with the prior."""
+        zero = torch.zeros(state.batch, dtype=torch.float32, device=state.pending.device)
+        accepted = zero + metrics.level_accepted.get(level, 0)
+        drafted = zero + metrics.level_drafted.get(level, 0)
+        return (accepted + 0.5 * self.config.prior) / (drafted + self.config.prior)
