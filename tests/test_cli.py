@@ -63,7 +63,7 @@ def test_every_strategy_through_its_json_config_gives_greedy_tokens(tmp_path, ca
     configs = [{"autoregressive": {}},
                {"speculative": {"k": 3}},
                {"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 2, "mag_tokens": 3, "tree": [2, 2]}},
-               {"cascade_auto": {"lenience_choices": [1, 2], "max_tokens": 4}},
+               {"cascade_auto": {"lenience": 2, "max_tokens": 4}},
                {"staged": {"branching": [3, 2, 1], "mag_tokens": 2}},
                {"pearl": {"gamma": 3, "adaptive": False}}]
     for config in configs:
@@ -74,7 +74,7 @@ def test_json_configs_become_the_strategy_dataclasses():
     assert make_strategy("staged", {"branching": [3, 2, 1], "mag_tokens": 2}) == Staged(branching=(3, 2, 1), mag_tokens=2)
     assert make_strategy("cascade", {"k_matrix": [[2, 4], [0, 4]], "lenience": 2}) == \
         Cascade(k_matrix=((2, 4), (0, 4)), lenience=2)
-    assert make_strategy("cascade_auto", {"lenience_choices": [1, 2]}) == AutoCascade(lenience_choices=(1, 2))
+    assert make_strategy("cascade_auto", {"lenience": 3, "max_tokens": 5}) == AutoCascade(lenience=3, max_tokens=5)
     assert make_strategy("pearl", {"gamma": 5}) == Pearl(gamma=5)
     assert parse_strategy_config('{"speculative": {"k": 2}}') == ("speculative", {"k": 2})
 
