@@ -6,21 +6,22 @@
     y = linear(x, layer, bias)                                 # x: [..., K] -> [..., N] in x.dtype
 
 Schemes (`SCHEMES`), both rounding to the nearest grid point, so |w - w_hat| <= s / 2 elementwise:
-  int8        symmetric, one scale per output row:  w_hat = q * s,           q in [-127, 127], s = max|w_row| / 127
-  int4[gG]    asymmetric, per row and group of G inputs (G = 128 unless gG says 32/64/256):
-              w_hat = (q - 8) * s + z,  q in [0, 15],  s = (max - min) / 15,  z = min + 8 s  (gpt-fast's tinygemm layout)
+  int8      symmetric, one scale per output row: w_hat = q * s, q in [-127, 127], s = max|w_row| / 127
+  int4[gG]  asymmetric, per row and group of G inputs (G = 128 unless gG says 32/64/256):
+            w_hat = (q - 8) * s + z, q in [0, 15], s = (max - min) / 15, z = min + 8 s (tinygemm's layout)
 Scales and zeros are stored in the activation dtype, as the ops require, and q is rounded against
 the stored values; z's rounding can move the int4 grid's ends by u (|z| + 8 s) (u: the dtype's unit
 roundoff), which only groups far from zero notice.
 
-What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/native/cuda/int4mm.cu):
-  CPU  _weight_int8pack_mm(x, q int8 [N, K], s [N])                        x fp32/bf16/fp16, s in x's dtype, any N, K
+What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/native/cuda/int{4,8}mm.cu):
+  CPU  _weight_int8pack_mm(x, q int8 [N, K], s [N]): x fp32/bf16/fp16, s in x's dtype, any N, K
        _convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1) -> uint8 [N, K/2] (a blocked layout)
-       _weight_int4pack_mm_for_cpu(x, packed, G, sz [K/G, N, 2])         x fp32/bf16/fp16, sz in x's dtype,
-                                                                         G in {32, 64, 128, 256}, K % G == 0, N % 16 == 0
-  CUDA _weight_int8pack_mm as on the CPU
-       _convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles) and _weight_int4pack_mm: x bf16 only,
-       inner_k_tiles in {2, 4, 8} with K % (16 inner_k_tiles) == 0 (the largest that divides K is used), N % 8 == 0
+       _weight_int4pack_mm_for_cpu(x, packed, G, sz [K/G, N, 2]): x fp32/bf16/fp16, sz in x's dtype,
+       G in {32, 64, 128, 256}, K % G == 0, N % 16 == 0
+  CUDA (not run yet: no GPU has seen this path) _weight_int8pack_mm: any float x, computed in fp32
+       by a plain one-thread-per-output kernel (correct, unlikely to beat bf16);
+       _convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles) + _weight_int4pack_mm: x bf16
+       only, inner_k_tiles in {2, 4, 8} with K % (16 inner_k_tiles) == 0 (the largest is used), N % 8 == 0
   All: x 2-D and contiguous (`QuantizedLinear` flattens the leading dims). fp32 activations work on
   the CPU but are several times slower than bf16 at decode sizes: quantization is for bf16 models.
 """
