@@ -6,6 +6,11 @@ decides whether speculative decoding can pay on a machine (a chain of k drafts n
     python bench/forward_cost.py --models smollm2-135m --dtypes float32
     python bench/forward_cost.py --dry-run                         # a tiny random model, seconds
 
+`--drafters` adds cheaper drafters by spec (quantized weights, early exits: load_runner's
+`:int8` / `:int4` / `[:L]` suffixes), native runner only; "x target" is a row's time over the
+first model's one-token forward in the same dtype. The greedy-agreement table of the README
+came from this script's version in commit 3b771e0 (`--agreement`).
+
 For each (model, dtype, n) every path of PATHS (csd_engine's native runner; transformers'
 forward with its dynamic cache, for comparison) times a forward of n tokens after a
 `--context`-token prefix: median and min-max of `--repeats` calls after one warm-up. A new
@@ -24,6 +29,7 @@ from transformers import DynamicCache  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
+from csd_engine.models.loader import load_runner  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
@@ -67,6 +73,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ns", default="1,2,3,5,9,17", help="new tokens per forward")
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    ap.add_argument("--drafters", default="", help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20]")
     args = ap.parse_args(argv)
     harness.start(args)
     if args.dry_run:
@@ -94,14 +101,40 @@ def main(argv=None):
                 harness.progress(f"{name} {dtype_name} n={n}: " + ", ".join(
                     f"{label} {row[f'{key}_ms']:.0f} ms" for key, (label, _) in PATHS.items()))
             del model, forwards
+    for spec in filter(None, args.drafters.split(",")):
+        for dtype_name in args.dtypes.split(","):
+            harness.progress(f"loading drafter {spec} ({dtype_name})")
+            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True)
+            prefix = torch.randint(0, runner.vocab_size, (1, args.context))
+            runner.allocate(1, args.context + max(ns) + 8)
+            runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))
+            first = None
+            for n in ns:
+                ids = torch.randint(0, runner.vocab_size, (1, n))
+
+                def forward():
+                    runner.cache.lengths.fill_(args.context)
+                    return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + n))
+
+                _, timing = harness.repeat(forward, args.repeats)
+                first = first or timing.median
+                rows.append(dict(model=spec, dtype=dtype_name, n=n, native_ms=timing.median * 1e3,
+                                 native_min_ms=timing.min * 1e3, native_max_ms=timing.max * 1e3,
+                                 native_vs_1=timing.median / first))
+            del runner
+    for row in rows:
+        target = next(r for r in rows if r["dtype"] == row["dtype"])  # the first model's 1-token forward
+        row["x_target"] = row["native_ms"] / target["native_ms"]
     for row in rows:
         for key in PATHS:
-            row[f"{key}_spread"] = f"{row[f'{key}_min_ms']:.0f}-{row[f'{key}_max_ms']:.0f}"
+            if f"{key}_ms" in row:
+                row[f"{key}_spread"] = f"{row[f'{key}_min_ms']:.0f}-{row[f'{key}_max_ms']:.0f}"
     print(f"\nforward of n new tokens after a {args.context}-token prefix, batch 1 (median of {args.repeats})")
     columns = [("model", "model", "s"), ("dtype", "dtype", "s"), ("n", "n", "d")]
     for key, (label, _) in PATHS.items():
         columns += [(f"{key}_ms", f"{label} ms", ".0f"), (f"{key}_spread", "min-max", "s"),
                     (f"{key}_vs_1", "x n=1", ".2f")]
+    columns.append(("x_target", "native x target", ".2f"))
     print_table(rows, columns)
     path = harness.record_path("forward-cost", args)
     harness.write_record(path, {"paths": {key: label for key, (label, _) in PATHS.items()}, "rows": rows}, args)

@@ -10,7 +10,16 @@ KV-cache write (kernels/rope.py), taking a layer from ~40 launches to ~12 (count
 H100 (bench/gpu.py forward_profile, README) showed those small launches cost ~2.4 ms of a
 7.9 ms Llama-2-7B decoding step. The fused path is tested against the PyTorch one in Triton's
 interpreter; it becomes the CUDA default once a GPU session has run its tests and timings.
+
+`quantize="int8" | "int4" | "int4gG"` (models/quant.py) stores the qkv, o, gate_up and down
+projections and the lm_head as weight-only quantized matrices on torch's packed-weight matmuls;
+the embedding stays float (a lookup reads a few rows). The head is a quarter of the 0.5B Qwen's
+weights: quantizing it too took its int4 one-token forward from 39 to 24 ms (CPU, one thread).
+Both paths call every matrix through `linear`. `truncated(L)` is an
+early-exit drafter: a view running the first L layers, then the model's own final norm and head,
+sharing every weight tensor and owning a cache of its own.
 """
+import copy
 import os
 
 import torch
@@ -20,6 +29,7 @@ from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
+from csd_engine.models.quant import linear, parse_scheme, quantize_weight
 from csd_engine.models.runner import ForwardBatch, Runner
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -28,8 +38,10 @@ DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 
 class LlamaRunner(Runner):
     def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa",
-                 fused: bool = False):
+                 fused: bool = False, quantize: str | None = None):
         cfg = hf_model.config
+        if quantize is not None:
+            parse_scheme(quantize)
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise ValueError("sliding-window attention is not supported by the native runner; "
                              "use the generic runner (native=False)")
@@ -47,6 +59,8 @@ class LlamaRunner(Runner):
         if self.fused and not head_dim_ok:
             raise ValueError(f"fused=True needs a power-of-two head_dim, this model has {self.head_dim}")
         self.num_params = sum(p.numel() for p in hf_model.parameters())
+        self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in hf_model.model.layers]
+        self.quantize = quantize
         rotary = hf_model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(rotary.attention_scaling)
@@ -59,8 +73,21 @@ class LlamaRunner(Runner):
         def maybe(name):
             return take(name) if name in sd else None
 
+        def matrix(*names):
+            """A projection or the head (the only weights `quantize` applies to): the rows of
+            `names` fused into one matrix, quantized from the checkpoint's own precision."""
+            if quantize is None:
+                return torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            try:
+                return quantize_weight(torch.cat([sd[n].to(self.device) for n in names]), quantize, dtype)
+            except ValueError as exc:
+                raise ValueError(f"cannot quantize {' + '.join(names)}: {exc}") from None
+
         self.embed = take("model.embed_tokens.weight")
-        self.lm_head = take("lm_head.weight") if "lm_head.weight" in sd else self.embed
+        if "lm_head.weight" in sd:
+            self.lm_head = matrix("lm_head.weight")
+        else:  # tied: a quantized head is a packed copy, the embedding stays float
+            self.lm_head = self.embed if quantize is None else matrix("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
         self.layers = []
         for i in range(self.num_layers):
@@ -68,13 +95,13 @@ class LlamaRunner(Runner):
             biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             self.layers.append(dict(
                 attn_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                qkv=matrix(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                 qkv_bias=torch.cat(biases) if biases[0] is not None else None,
-                o=take(p + "self_attn.o_proj.weight"),
+                o=matrix(p + "self_attn.o_proj.weight"),
                 o_bias=maybe(p + "self_attn.o_proj.bias"),
                 mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=matrix(p + "mlp.down_proj.weight"),
             ))
             if maybe(p + "mlp.gate_proj.bias") is not None:
                 raise ValueError("MLP biases (mlp_bias=True) are not supported by the native runner")
@@ -86,6 +113,20 @@ class LlamaRunner(Runner):
 
     def use_rows(self, batch: int) -> None:
         self.cache = self.full_cache.rows(batch)
+
+    def truncated(self, layers: int) -> "LlamaRunner":
+        """An early-exit drafter: this model's first `layers` layers, then its final norm and
+        lm_head. The same weight tensors (no copy), a cache of its own (call `allocate`)."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.num_layers:
+            raise ValueError(f"an early exit keeps 1 to {self.num_layers} layers of this model, got {layers!r}")
+        view = copy.copy(self)
+        for name in ("cache", "full_cache", "nonfinite_rows"):
+            view.__dict__.pop(name, None)
+        view.layers = self.layers[:layers]
+        view.num_layers = layers
+        view.layer_params = self.layer_params[:layers]
+        view.num_params = self.num_params - sum(self.layer_params[layers:])
+        return view
 
     def _rmsnorm(self, x, weight):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
@@ -116,7 +157,7 @@ class LlamaRunner(Runner):
         h = layers(h, positions, lengths, batch, mask)
         if not batch.need_logits:
             return None
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _layers(self, h, positions, lengths, batch: ForwardBatch, mask):
         """PyTorch ops; returns the final-normed hidden states."""
@@ -126,15 +167,15 @@ class LlamaRunner(Runner):
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)
         for i, w in enumerate(self.layers):
             x = self._rmsnorm(h, w["attn_norm"])
-            qkv = F.linear(x, w["qkv"], w["qkv_bias"])
+            qkv = linear(x, w["qkv"], w["qkv_bias"])
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q = rotate(q.view(b, n, hq, d), cos, sin)
             self.cache.write(i, slots, rotate(k.view(b, n, hkv, d), cos, sin), v.view(b, n, hkv, d))
             attn = self._attention(i, q, lengths, batch, mask)
-            h = h + F.linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
+            h = h + linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
             x = self._rmsnorm(h, w["mlp_norm"])
-            gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w["down"])
+            gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, w["down"])
         return self._rmsnorm(h, self.final_norm)
 
     def _fused_layers(self, h, positions, lengths, batch: ForwardBatch, mask):
@@ -144,12 +185,12 @@ class LlamaRunner(Runner):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x, _ = add_rmsnorm(h, self.layers[0]["attn_norm"], self.eps)
         for i, w in enumerate(self.layers):
-            qkv = F.linear(x, w["qkv"], w["qkv_bias"])
+            qkv = linear(x, w["qkv"], w["qkv_bias"])
             q = rope_and_cache(qkv, positions, self.inv_freq, self.rope_scaling, self.cache.k[i], self.cache.v[i],
                                lengths, hq, hkv, d)
             attn = self._attention(i, q, lengths, batch, mask)
-            x, h = add_rmsnorm(h, w["mlp_norm"], self.eps, delta=F.linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
-            gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+            x, h = add_rmsnorm(h, w["mlp_norm"], self.eps, delta=linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
+            gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
             following = self.layers[i + 1]["attn_norm"] if i + 1 < self.num_layers else self.final_norm
-            x, h = add_rmsnorm(h, following, self.eps, delta=F.linear(F.silu(gate) * up, w["down"]))
+            x, h = add_rmsnorm(h, following, self.eps, delta=linear(F.silu(gate) * up, w["down"]))
         return x

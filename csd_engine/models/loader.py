@@ -5,15 +5,23 @@ Hugging Face folder, a `.gguf` file (dequantized exactly as the zoo converts its
 id when a hub is reachable (`org/name`, or `org/name@revision` for a branch, tag or commit), an
 already-loaded `transformers` model, or a `Runner`. Llama-family models get the native runner;
 everything else the generic one. Each loaded runner carries `eos_token_ids`.
+
+A string spec may end in suffixes for the native runner, in this order (see `split_spec`):
+`:int8` / `:int4` / `:int4gG` quantizes its weights (models/quant.py), `[:L]` keeps only its
+first L layers (an early-exit drafter, `LlamaRunner.truncated`): "qwen2.5-coder-0.5b:int4[:12]".
+A spec loads its own copy of the model; to share weights with a runner already loaded, pass
+`runner.truncated(L)` itself (a Runner is accepted wherever a spec is).
 """
 import logging
 import os
 import pathlib
+import re
 
 import torch
 
 from csd_engine.models.hf import HFRunner
 from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner
+from csd_engine.models.quant import parse_scheme
 from csd_engine.models.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -27,6 +35,21 @@ def _split_revision(hub_id: str) -> tuple[str, dict]:
     if not name or not revision:
         raise ValueError(f"{hub_id!r}: a hub id with a revision is 'org/name@revision' (branch, tag or commit)")
     return name, {"revision": revision}
+
+
+_SUFFIXES = re.compile(r"^(?P<model>.+?)(?::(?P<quantize>int\w+))?(?:\[:(?P<layers>-?\d+)\])?$")
+
+
+def split_spec(spec: str) -> tuple[str, str | None, int | None]:
+    """(model, quantize scheme or None, early-exit layers or None) of a string spec. A spec that
+    names an existing file or folder is taken whole."""
+    match = _SUFFIXES.match(spec)
+    if os.path.exists(spec) or match is None:
+        return spec, None, None
+    quantize, layers = match["quantize"], match["layers"]
+    if quantize is not None:
+        parse_scheme(quantize)
+    return match["model"], quantize, None if layers is None else int(layers)
 
 
 def _load_hf(spec: str, dtype: torch.dtype):
@@ -79,16 +102,27 @@ def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 
 def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
-                attention_backend: str = "sdpa", fused: bool = False) -> tuple[Runner, object]:
+                attention_backend: str = "sdpa", fused: bool = False,
+                quantize: str | None = None) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
     supports the architecture; True demands it; False forces the generic runner. `fused`:
     the native runner's fused Triton norm / RoPE kernels (ignored by the generic runner).
-    A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in
-    is returned as it is."""
+    `quantize`: "int8", "int4" or "int4gG" weights (native runner only), as a `:int4` suffix does.
+    A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in is
+    returned as it is."""
+    if quantize is not None:
+        parse_scheme(quantize)
     if isinstance(spec, Runner):
+        if quantize is not None:
+            raise ValueError("quantize applies when a model is loaded; this one is already a runner "
+                             "(build it with LlamaRunner(..., quantize=...))")
         return spec, getattr(spec, "tokenizer", None)
-    tokenizer = None
+    tokenizer, layers = None, None
     if isinstance(spec, str):
+        spec, suffix_scheme, layers = split_spec(spec)
+        if suffix_scheme is not None and quantize not in (None, suffix_scheme):
+            raise ValueError(f"the spec asks for {suffix_scheme} weights and quantize for {quantize}: give one")
+        quantize = quantize or suffix_scheme
         model, tokenizer = _load_hf(spec, dtype)
     elif isinstance(spec, torch.nn.Module) and hasattr(spec, "config"):
         model = spec.eval()
@@ -98,7 +132,12 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     if native is True and model_type not in NATIVE_MODEL_TYPES:
         raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}")
     if native is not False and model_type in NATIVE_MODEL_TYPES:
-        runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused)
+        runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused, quantize=quantize)
+        runner = runner if layers is None else runner.truncated(layers)
+    elif quantize is not None or layers is not None:
+        raise ValueError(f"quantized weights and early exits ([:L]) need the native runner, which supports "
+                         f"{NATIVE_MODEL_TYPES}; this model is {model_type!r}" +
+                         (" and native=False" if native is False else ""))
     else:
         runner = HFRunner(model.to(device=device, dtype=dtype), device)
     runner.eos_token_ids = eos_token_ids(model, tokenizer)

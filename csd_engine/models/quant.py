@@ -1,0 +1,166 @@
+"""Weight-only quantized linear layers for the native runner, on torch's own packed-weight matmuls.
+
+    values = quantize_values(w, "int4", dtype=torch.bfloat16)   # w: [N, K]; pure PyTorch
+    w_hat = dequantize(values)                                 # [N, K] float32: what the matmul multiplies by
+    layer = QuantizedLinear(values)                            # packs for torch's op on w's device
+    y = linear(x, layer, bias)                                 # x: [..., K] -> [..., N] in x.dtype
+
+Schemes (`SCHEMES`), both rounding to the nearest grid point, so |w - w_hat| <= s / 2 elementwise:
+  int8      symmetric, one scale per output row: w_hat = q * s, q in [-127, 127], s = max|w_row| / 127
+  int4[gG]  asymmetric, per row and group of G inputs (G = 128 unless gG says 32/64/256):
+            w_hat = (q - 8) * s + z, q in [0, 15], s = (max - min) / 15, z = min + 8 s (tinygemm's layout)
+Scales and zeros are stored in the activation dtype, as the ops require, and q is rounded against
+the stored values; z's rounding can move the int4 grid's ends by u (|z| + 8 s) (u: the dtype's unit
+roundoff), which only groups far from zero notice.
+
+What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/native/cuda/int{4,8}mm.cu):
+  CPU  _weight_int8pack_mm(x, q int8 [N, K], s [N]): x fp32/bf16/fp16, s in x's dtype, any N, K
+       _convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1) -> uint8 [N, K/2] (a blocked layout)
+       _weight_int4pack_mm_for_cpu(x, packed, G, sz [K/G, N, 2]): x fp32/bf16/fp16, sz in x's dtype,
+       G in {32, 64, 128, 256}, K % G == 0, N % 16 == 0
+  CUDA (not run yet: no GPU has seen this path) _weight_int8pack_mm: any float x, computed in fp32
+       by a plain one-thread-per-output kernel (correct, unlikely to beat bf16);
+       _convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles) + _weight_int4pack_mm: x bf16
+       only, inner_k_tiles in {2, 4, 8} with K % (16 inner_k_tiles) == 0 (the largest is used), N % 8 == 0
+  All: x 2-D and contiguous (`QuantizedLinear` flattens the leading dims). fp32 activations work on
+  the CPU but are several times slower than bf16 at decode sizes: quantization is for bf16 models.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_INT4_GROUP = 128
+INT4_GROUPS = (32, 64, 128, 256)
+SCHEMES = ("int8", "int4") + tuple(f"int4g{g}" for g in INT4_GROUPS)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def parse_scheme(scheme: str) -> tuple[int, int | None]:
+    """(bits, int4 group size) of a scheme name; raises on anything else."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)} "
+                         f"(int4 groups {DEFAULT_INT4_GROUP} inputs unless int4gG says otherwise)")
+    if scheme == "int8":
+        return 8, None
+    return 4, int(scheme[5:]) if scheme.startswith("int4g") else DEFAULT_INT4_GROUP
+
+
+@dataclass
+class QuantizedValues:
+    """The quantized weight in plain layout: w_hat = (q - offset) * scale + zero, per row / group."""
+    q: torch.Tensor  # [N, K] int32 grid indices
+    scale: torch.Tensor  # [N, K / group] in dtype (int8: group = K)
+    zero: torch.Tensor | None  # like scale (int4), None (int8: symmetric)
+    bits: int
+    group: int
+    dtype: torch.dtype  # activation dtype the scales are stored in
+
+    @property
+    def offset(self) -> int:
+        return 8 if self.bits == 4 else 0
+
+
+def check_shape(scheme: str, shape: tuple[int, int], dtype: torch.dtype, device) -> None:
+    """Raises ValueError naming the op's constraint that an [N, K] weight of `scheme` would break."""
+    bits, group = parse_scheme(scheme)
+    n, k = shape
+    device = torch.device(device)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"quantized weights need float32, bfloat16 or float16 activations, got {dtype}")
+    if bits == 8:
+        return
+    if k % group:
+        raise ValueError(f"{scheme}: the input size K={k} of an [{n}, {k}] weight must be a multiple of the "
+                         f"group size {group} (pick another int4gG, G in {INT4_GROUPS})")
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"{scheme} on CUDA: _weight_int4pack_mm takes bfloat16 activations only, got {dtype}")
+        if k % 32 or n % 8:
+            raise ValueError(f"{scheme} on CUDA: an [{n}, {k}] weight needs K % 32 == 0 and N % 8 == 0")
+    elif n % 16:
+        raise ValueError(f"{scheme} on the CPU: _convert_weight_to_int4pack_for_cpu needs the output size N "
+                         f"to be a multiple of 16, this [{n}, {k}] weight has N={n}")
+
+
+def quantize_values(w: torch.Tensor, scheme: str, dtype: torch.dtype) -> QuantizedValues:
+    """Round an [N, K] float weight to `scheme` (pure PyTorch, in float32); scales in `dtype`."""
+    bits, group = parse_scheme(scheme)
+    if w.dim() != 2:
+        raise ValueError(f"a linear weight is [N, K], got shape {tuple(w.shape)}")
+    check_shape(scheme, tuple(w.shape), dtype, w.device)
+    n, k = w.shape
+    tiny = torch.finfo(dtype).tiny
+    if bits == 8:
+        w32 = w.float()
+        scale = (w32.abs().amax(1, keepdim=True) / 127).clamp_min(tiny).to(dtype)
+        q = torch.round(w32 / scale.float()).clamp(-127, 127)
+        return QuantizedValues(q.to(torch.int32), scale, None, 8, k, dtype)
+    w32 = w.float().view(n, k // group, group)
+    lo, hi = w32.amin(-1, keepdim=True), w32.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(tiny).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    q = (torch.round((w32 - zero.float()) / scale.float()) + 8).clamp(0, 15)
+    return QuantizedValues(q.view(n, k).to(torch.int32), scale.squeeze(-1), zero.squeeze(-1), 4, group, dtype)
+
+
+def dequantize(values: QuantizedValues) -> torch.Tensor:
+    """[N, K] float32: the weight the quantized matmul multiplies by (the reference)."""
+    n, k = values.q.shape
+    q = (values.q - values.offset).float().view(n, k // values.group, values.group)
+    w = q * values.scale.float()[..., None]
+    if values.zero is not None:
+        w = w + values.zero.float()[..., None]
+    return w.view(n, k)
+
+
+class QuantizedLinear:
+    """An [N, K] weight packed for torch's weight-only matmul; call it as F.linear(x, w, bias)."""
+
+    def __init__(self, values: QuantizedValues):
+        n, k = values.q.shape
+        self.shape, self.bits, self.group, self.dtype = (n, k), values.bits, values.group, values.dtype
+        self.device = values.q.device
+        aten = torch.ops.aten
+        if values.bits == 8:
+            self.packed = values.q.to(torch.int8).contiguous()
+            self.scales = values.scale.reshape(n).contiguous()  # [N] in dtype
+            return
+        # [K / group, N, 2]: scale and zero of each (group, output) pair.
+        self.scales = torch.stack([values.scale.t(), values.zero.t()], dim=-1).contiguous()
+        if self.device.type == "cuda":
+            q = values.q.to(torch.uint8)
+            inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            self.packed = aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+        else:
+            self.packed = aten._convert_weight_to_int4pack_for_cpu(values.q.contiguous(), 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise ValueError(f"this weight was quantized for {self.dtype} activations, got {x.dtype}")
+        flat = x.reshape(-1, self.shape[1]).contiguous()
+        aten = torch.ops.aten
+        if self.bits == 8:
+            y = aten._weight_int8pack_mm(flat, self.packed, self.scales)
+        elif self.device.type == "cuda":
+            y = aten._weight_int4pack_mm(flat, self.packed, self.group, self.scales)
+        else:
+            y = aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales)
+        y = y.view(*x.shape[:-1], self.shape[0])
+        return y if bias is None else y + bias
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = None) -> QuantizedLinear:
+    """Quantize an [N, K] weight for activations of `dtype` (default: w's dtype)."""
+    return QuantizedLinear(quantize_values(w, scheme, dtype or w.dtype))
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a float weight or a QuantizedLinear: the runner's one matmul call."""
+    if isinstance(weight, QuantizedLinear):
+        return weight(x, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,206 @@
+"""Weight-only int8 / int4 weights (models/quant.py) in the native runner.
+
+The quantization error is bounded in two independent steps, which together are the whole
+difference between the quantized runner and the float model:
+1. deq(Q(W)) is within half a grid step of W elementwise: |W - deq(Q(W))| <= s / 2, plus, for
+   int4, u (|z| + 8 s) where the scale s and zero z were rounded to the activation dtype
+   (unit roundoff u; it moves the grid's ends, see quant.py). Checked on random weights.
+2. Everything after the rounding is exact up to float arithmetic: torch's packed matmul equals
+   F.linear with deq(Q(W)) within the dot-product rounding bound gamma_K |x| |W|^T
+   (gamma_K = K u / (1 - K u)), and the quantized runner's logits equal a float32 model whose
+   weights are replaced by deq(Q(W)) within the error transformers itself makes in float32
+   (the bound of test_llama.py), through prefill, decode and verify-sized chunks, both paths.
+Greedy decoding is then exactly the dequantized model's, as a speculative target or drafter.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from csd_engine import Autoregressive, Engine, SamplingParams, Speculative
+from csd_engine.models.graphs import GraphedRunner
+from csd_engine.models.llama import LlamaRunner
+from csd_engine.models.loader import load_runner, split_spec
+from csd_engine.models.quant import QuantizedLinear, dequantize, linear, quantize_values, quantize_weight
+from csd_engine.models.runner import ForwardBatch
+from tests.models.test_llama import _native_logits_in_steps
+from tests.strategies.common import assert_greedy_equals_autoregressive
+from tests.tiny_models import VOCAB, random_prompts, tiny_gpt2, tiny_llama, tiny_qwen2
+
+TINY_SCHEMES = ["int8", "int4g32", "int4g64"]  # the tiny models' K = 64 or 128 allow groups of 32 and 64
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def dequantized_model(model, scheme, dtype=torch.float32):
+    """A float32 copy of `model` whose projections and head hold deq(Q(W)) (scales rounded to
+    `dtype`); the embedding stays as it was (an untied head of its own when the model ties
+    them), as in the quantized runner."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if name.split(".")[-1] in PROJECTIONS:
+                module.weight.copy_(dequantize(quantize_values(module.weight, scheme, dtype)))
+        head = dequantize(quantize_values(ref.lm_head.weight, scheme, dtype))
+        ref.lm_head.weight = torch.nn.Parameter(head)
+    ref.config.tie_word_embeddings = False
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["int8", "int4g32", "int4", "int4g256"])
+def test_dequantized_weight_is_within_half_a_step(scheme, dtype):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    w = torch.randn(64, 512, generator=g) * 0.05
+    w[3] += 0.3  # a row far from zero: the int4 zero point is large against the step there
+    values = quantize_values(w, scheme, dtype)
+    lo, hi = (-127, 127) if values.bits == 8 else (0, 15)
+    assert values.q.min() >= lo and values.q.max() <= hi
+    per_weight = lambda t: t.float().repeat_interleave(values.group, dim=1)  # noqa: E731  [N, K/G] -> [N, K]
+    step = per_weight(values.scale)
+    bound = step / 2
+    if values.zero is not None:
+        bound = bound + UNIT_ROUNDOFF[dtype] * (per_weight(values.zero).abs() + 8 * step)
+    err = (w - dequantize(values)).abs()
+    print(f"{scheme} {dtype}: max |W - deq| / step {(err / step).max():.4f}")
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4g32", "int4"])
+def test_packed_matmul_equals_linear_on_the_dequantized_weight(scheme):
+    n, k = 48, 256
+    w = torch.randn(n, k) * 0.05
+    bias = torch.randn(n)
+    values = quantize_values(w, scheme, torch.float32)
+    layer = QuantizedLinear(values)
+    x = torch.randn(2, 5, k)  # leading dims flattened by the layer
+    w_hat = dequantize(values).double()
+    exact = F.linear(x.double(), w_hat, bias.double())
+    gamma = k * UNIT_ROUNDOFF[torch.float32] / (1 - k * UNIT_ROUNDOFF[torch.float32])
+    bound = gamma * (x.double().abs() @ w_hat.abs().t() + bias.double().abs()) + 1e-12
+    for ours in (linear(x, layer, bias), F.linear(x, w_hat.float(), bias)):
+        assert ours.shape == (2, 5, n)
+        assert ((ours.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("scheme", TINY_SCHEMES)
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-tied-bias"])
+def test_quantized_runner_is_the_float_model_on_dequantized_weights(make, scheme, fused):
+    model = make(seed=int(torch.randint(0, 1000, (1,))))
+    ref_model = dequantized_model(model, scheme)
+    ids = torch.randint(0, VOCAB, (3, 17))
+    with torch.no_grad():
+        ref64 = copy.deepcopy(ref_model).double()(ids).logits
+        hf32 = ref_model(ids).logits.double()
+    runner = LlamaRunner(model, "cpu", torch.float32, fused=fused, quantize=scheme)
+    assert all(isinstance(w[name], QuantizedLinear) for w in runner.layers for name in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(runner.lm_head, QuantizedLinear) and not isinstance(runner.embed, QuantizedLinear)
+    ours = _native_logits_in_steps(runner, ids, splits=[5, 6, 11]).double()
+    hf_err, our_err = (hf32 - ref64).abs().max().item(), (ours - ref64).abs()
+    print(f"{scheme}: transformers fp32 max err {hf_err:.2e}; quantized runner max {our_err.max():.2e}")
+    assert our_err.max().item() <= 4 * hf_err + 1e-6
+    # The rounding itself is visible: the float model's own logits differ by far more.
+    with torch.no_grad():
+        assert (model(ids).logits.double() - ref64).abs().max() > 100 * hf_err
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4g32"])
+def test_bfloat16_quantized_runner_errs_no_more_than_bfloat16_itself(scheme):
+    """bf16 activations (the dtype quantization is for): against the float64 dequantized model,
+    the quantized runner's error is within 2x that of the plain bf16 runner on the same weights."""
+    model = tiny_qwen2(seed=int(torch.randint(0, 1000, (1,))))
+    ref_model = dequantized_model(model, scheme, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        ref64 = copy.deepcopy(ref_model).double()(ids).logits
+    plain = _native_logits_in_steps(LlamaRunner(ref_model, "cpu", torch.bfloat16), ids, [4, 5])
+    ours = _native_logits_in_steps(LlamaRunner(model, "cpu", torch.bfloat16, quantize=scheme), ids, [4, 5])
+    plain_err, our_err = (plain.double() - ref64).abs().max().item(), (ours.double() - ref64).abs().max().item()
+    print(f"{scheme} bf16: plain runner max err {plain_err:.3f}, quantized runner {our_err:.3f}")
+    assert our_err <= 2 * plain_err
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4g32"])
+def test_quantized_target_decodes_exactly_the_dequantized_model(scheme):
+    """Engine(target=quantized runner), greedy: token for token a plain forward loop of the float
+    model on deq(Q(W)). A quantized target's output is exactly the quantized model's."""
+    model = tiny_qwen2(seed=9)
+    reference = dequantized_model(model, scheme)
+    engine = Engine(target=LlamaRunner(model, "cpu", torch.float32, quantize=scheme), max_batch_size=3,
+                    max_seq_len=64)
+    prompts = random_prompts(3, seed=int(torch.randint(0, 10**6, (1,))))
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=16), strategy=Autoregressive())
+    for prompt, result in zip(prompts, results):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(16):
+                ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert result.token_ids == ids[len(prompt):]
+
+
+def test_quantized_drafter_keeps_speculation_lossless():
+    model = tiny_llama(seed=12)
+    drafter = LlamaRunner(model, "cpu", torch.float32, quantize="int4g32")
+    engine = Engine(target=model, drafters=[drafter], max_batch_size=3, max_seq_len=64)
+    out = assert_greedy_equals_autoregressive(engine, random_prompts(3, seed=13), Speculative(k=3))
+    assert sum(r.metrics.accepted for r in out) > 0
+
+
+def test_graphed_quantized_runner_matches_the_eager_one():
+    """GraphedRunner's static-buffer forward (off CUDA a plain call) over a quantized runner."""
+    model = tiny_llama(seed=5)
+    eager = LlamaRunner(model, "cpu", torch.float32, quantize="int8")
+    graphed = GraphedRunner(LlamaRunner(model, "cpu", torch.float32, quantize="int8"), max_tokens=4)
+    prefix, nxt = torch.randint(0, VOCAB, (2, 6)), torch.randint(0, VOCAB, (2, 3))
+    outs = []
+    for runner in (eager, graphed):
+        runner.allocate(2, 32)
+        runner(ForwardBatch.chain(prefix, runner.cache.lengths, 6, need_logits=False))
+        runner.cache.advance(torch.tensor([6, 4]))  # ragged rows
+        outs.append(runner(ForwardBatch.chain(nxt, runner.cache.lengths, 9)))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_spec_suffix_loads_a_quantized_runner(tmp_path):
+    tiny_qwen2(seed=2).save_pretrained(tmp_path / "tiny")
+    runner, _ = load_runner(f"{tmp_path / 'tiny'}:int4g32", "cpu", torch.float32)
+    assert runner.quantize == "int4g32" and isinstance(runner.layers[0]["qkv"], QuantizedLinear)
+    same, _ = load_runner(str(tmp_path / "tiny"), "cpu", torch.float32, quantize="int4g32")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    torch.testing.assert_close(_native_logits_in_steps(runner, ids, []), _native_logits_in_steps(same, ids, []))
+    assert split_spec("qwen2.5-coder-0.5b:int8") == ("qwen2.5-coder-0.5b", "int8", None)
+    assert split_spec("qwen2.5-coder-0.5b:int4g64[:12]") == ("qwen2.5-coder-0.5b", "int4g64", 12)
+    assert split_spec(str(tmp_path / "tiny")) == (str(tmp_path / "tiny"), None, None)
+
+
+@pytest.mark.parametrize("bad", ["int3", "int4g16", "fp8", "INT8", "int4g"])
+def test_unknown_schemes_are_refused(bad):
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        load_runner(tiny_llama(), "cpu", torch.float32, quantize=bad)
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        quantize_weight(torch.randn(32, 64), bad)
+
+
+def test_generic_runner_and_loaded_runners_refuse_quantize():
+    with pytest.raises(ValueError, match="need the native runner.*'gpt2'"):
+        load_runner(tiny_gpt2(), "cpu", torch.float32, quantize="int8")
+    with pytest.raises(ValueError, match="need the native runner.*native=False"):
+        load_runner(tiny_llama(), "cpu", torch.float32, native=False, quantize="int8")
+    runner = LlamaRunner(tiny_llama(), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="already a runner"):
+        load_runner(runner, "cpu", torch.float32, quantize="int8")
+
+
+def test_shapes_and_dtypes_the_ops_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="K=64 .* multiple of the group size 128"):
+        LlamaRunner(tiny_llama(), "cpu", torch.float32, quantize="int4")  # hidden 64 < one group of 128
+    with pytest.raises(ValueError, match="lm_head.weight: .* multiple of 16.* N=88"):
+        LlamaRunner(tiny_llama(vocab=88), "cpu", torch.float32, quantize="int4g32")
+    LlamaRunner(tiny_llama(vocab=88), "cpu", torch.float32, quantize="int8")  # int8 takes any shape
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        quantize_weight(torch.randn(32, 64, dtype=torch.float64), "int8")
+    layer = quantize_weight(torch.randn(32, 64), "int8")
+    with pytest.raises(ValueError, match="quantized for torch.float32 activations, got torch.bfloat16"):
+        layer(torch.randn(2, 64, dtype=torch.bfloat16))
