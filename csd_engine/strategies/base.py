@@ -202,7 +202,7 @@ def roll_back_drafters(drafters, length: torch.Tensor) -> None:
 
 def commit(state: DecodeState, out: StepOutput) -> None:
     """Append [pending, emitted[:-1]] to each active row's committed sequence, in place; the
-    last emitted token becomes pending. Every step ends with it (inside the step, so that the
+    last emitted token becomes pending (and is written after the prefix). Every step ends with it (inside the step, so that the
     next step's plan can be computed from the committed sequence)."""
     counts = out.counts * state.active
     block = torch.cat([state.pending[:, None], out.tokens], dim=1)
@@ -214,3 +214,6 @@ def commit(state: DecodeState, out: StepOutput) -> None:
     last = out.tokens.gather(1, (out.counts - 1).clamp(min=0)[:, None])[:, 0]
     state.pending.copy_(torch.where(state.active, last, state.pending))
     state.committed += counts
+    # pending also sits in the slot after the committed prefix (the next commit writes it there
+    # again), so a MaG query over tokens[:committed + 1] ends with it
+    state.tokens.scatter_(1, state.committed[:, None].clamp(max=width - 1), state.pending[:, None])

@@ -1,19 +1,20 @@
 """Cascade.auto(): every row chooses its own draft budgets each step, deterministically.
 
 The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
-K = [[A, B], [0, M]] (A = B = max_tokens neural / MaG tokens for the target, M = mag_tokens
-MaG tokens per review by the model). Before each step a row picks (a, b) <= (A, B) that
-maximises its expected tokens per cost:
+K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then M = mag_tokens MaG
+tokens; the model reviews M MaG tokens at a time). Before each step a row picks the a <= A
+that maximises its expected tokens per cost:
 
-    tokens(a, b) = 1 + alpha + ... + alpha^(a+b)        (chain rule, one rate alpha)
-    cost(a, b)   = 1 + width_cost (a + b) + c_model ceil(a / (1 + beta M))
+    tokens(a) = 1 + alpha + ... + alpha^a + alpha^a (beta + ... + beta^M)
+    cost(a)   = 1 + width_cost (a + M) + c_model ceil(a / (1 + beta M))
 
 alpha: the row's counted rate of drafts the target accepted, beta: of MaG tokens the model
-accepted (counted in this generate call, with a prior of 0.5 worth `prior` drafts);
-c_model: the model's forward cost relative to the target's, from parameter counts unless
-`costs` gives it. a = b = 0 is plain decoding. Nothing here is timed: a seeded request gives
-the same tokens whatever shares its batch and however often it runs. Rows with a long MaG
-match still go direct (Cascade.direct_match).
+accepted (a proxy for MaG's rate at the target), both counted in this generate call with a
+prior of 0.5 worth `prior` drafts; c_model: the model's forward cost relative to the
+target's, from parameter counts unless `model_cost` gives it. a = 0 leaves MaG's matched
+tokens alone (no neural forward). Nothing here is timed: a seeded request gives the same
+tokens whatever shares its batch and however often it runs. Rows with a long MaG match go
+direct (Cascade.direct_match).
 """
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class AutoCascade:
                              f"'mag']) or MaG alone (['mag']); this engine's drafters are {kinds}: give an explicit "
                              "Cascade(k_matrix=...) for deeper cascades")
         a, m = self.max_tokens, self.mag_tokens
-        k = ((a, a), (0, m)) if len(kinds) == 2 else ((a,),)
+        k = ((a, m), (0, m)) if len(kinds) == 2 else ((m,),)
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
@@ -67,26 +68,21 @@ class AutoCascadeDecoder(CascadeDecoder):
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
-        a = torch.arange(config.max_tokens + 1) if self.neural_source else torch.zeros(1, dtype=torch.int64)
-        b = torch.arange(config.max_tokens + 1)
-        self.grid_a, self.grid_b = (g.flatten().to(models.device) for g in torch.meshgrid(a, b, indexing="ij"))
+        self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
 
     def budgets(self, state: DecodeState, direct: torch.Tensor):
         budgets, cap = super().budgets(state, direct)
-        metrics, cfg = state.metrics, self.config
-        alpha = self._rate(metrics, 0, state)
-        beta = self._rate(metrics, 1, state) if self.neural_source else torch.zeros_like(alpha)
-        depth = (self.grid_a + self.grid_b).to(alpha.dtype)  # [G]
-        j = torch.arange(2 * cfg.max_tokens + 1, device=alpha.device, dtype=alpha.dtype)
-        powers = alpha[:, None] ** j[None, :]  # [B, J]
-        tokens = torch.cumsum(powers, 1).gather(1, (self.grid_a + self.grid_b)[None, :].expand(alpha.shape[0], -1))
-        reviews = torch.ceil(self.grid_a[None, :] / (1 + beta[:, None] * self.mag_tokens))
-        cost = 1 + cfg.width_cost * depth[None, :] + self.model_cost * reviews
-        best = (tokens / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
-        choose_b = torch.where(direct, budgets[self.mag_source.index], self.grid_b[best])
-        budgets[self.mag_source.index] = choose_b
-        if self.neural_source is not None:
-            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid_a[best])
+        if self.neural_source is None:
+            return budgets, cap
+        cfg, m = self.config, self.mag_tokens
+        alpha, beta = self._rate(state.metrics, 0, state), self._rate(state.metrics, 1, state)
+        a = self.grid.to(alpha.dtype)[None, :]  # [1, G]
+        neural = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
+        mag = alpha[:, None] ** a * (beta * (1 - beta ** m) / (1 - beta).clamp_min(1e-6))[:, None]
+        reviews = torch.ceil(a / (1 + beta[:, None] * m))
+        cost = 1 + cfg.width_cost * (a + m) + self.model_cost * reviews
+        best = ((neural + mag) / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
+        budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[best])
         return budgets, cap
 
     def _rate(self, metrics, level: int, state: DecodeState) -> torch.Tensor:

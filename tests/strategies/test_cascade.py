@@ -123,9 +123,10 @@ def test_auto_is_lossless(models):
 
 
 def test_auto_budgets_follow_counted_acceptance_and_costs(models):
-    """Each row picks its own budgets from its counted rates and the fixed costs: a row whose
-    drafts the target always accepts drafts long, with the cheap model first; a row whose drafts
-    are always rejected drafts nothing (plain decoding); a row with a long MaG match goes direct."""
+    """Each row picks its own model budget from its counted rates and the fixed costs: a row whose
+    drafts the target always accepts drafts as much as allowed with a cheap model; a row whose
+    drafts are always rejected runs no neural forward (MaG's matches only, i.e. plain decoding
+    where nothing matches); a row with a long MaG match goes direct."""
     from csd_engine.strategies.base import StepMetrics
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
@@ -134,11 +135,9 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     state.metrics = StepMetrics(level_accepted={0: torch.tensor([1000, 0]), 1: torch.tensor([1000, 0])},
                                 level_drafted={0: torch.tensor([1000, 1000]), 1: torch.tensor([1000, 1000])})
     budgets, _ = decoder.budgets(state, torch.tensor([False, False]))
-    model, mag = budgets[decoder.neural_source.index], budgets[decoder.mag_source.index]
-    assert model[0] + mag[0] == 12 and model[0] == 6
-    assert model[1] == 0 and mag[1] == 0
-    budgets, cap = decoder.budgets(state, torch.tensor([False, True]))
-    assert budgets[decoder.neural_source.index][1] == 0 and budgets[decoder.mag_source.index][1] > 0
+    assert budgets[decoder.neural_source.index].tolist() == [6, 0]
+    budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
+    assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
 
 
 def test_tree_at_the_top_level_greedy_fuzz(models):
