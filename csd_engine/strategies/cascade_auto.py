@@ -1,20 +1,21 @@
 """Cascade.auto(): every row chooses its own draft budgets each step, deterministically.
 
 The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
-K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then M = mag_tokens MaG
-tokens; the model reviews M MaG tokens at a time). Before each step a row picks the a <= A
-that maximises its expected tokens per cost:
+K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then up to M = mag_tokens
+MaG tokens, which MaG proposes only where it matches, at no forward's cost; the model
+reviews M MaG tokens at a time). Before each step a row picks the model budget a <= A that
+maximises its expected tokens per cost:
 
-    tokens(a) = 1 + alpha + ... + alpha^a + alpha^a (beta + ... + beta^M)
-    cost(a)   = 1 + width_cost (a + M) + c_model ceil(a / (1 + beta M))
+    tokens(a) = 1 + alpha + ... + alpha^a
+    cost(a)   = 1 + width_cost a + c_model ceil(a / (1 + beta M))
 
 alpha: the row's counted rate of drafts the target accepted, beta: of MaG tokens the model
-accepted (a proxy for MaG's rate at the target), both counted in this generate call with a
-prior of 0.5 worth `prior` drafts; c_model: the model's forward cost relative to the
-target's, from parameter counts unless `model_cost` gives it. a = 0 leaves MaG's matched
-tokens alone (no neural forward). Nothing here is timed: a seeded request gives the same
-tokens whatever shares its batch and however often it runs. Rows with a long MaG match go
-direct (Cascade.direct_match).
+accepted, both counted in this generate call with a prior of 0.5 worth `prior` drafts;
+c_model: the model's forward cost relative to the target's, from parameter counts unless
+`model_cost` gives it. a = 0 runs no neural forward (plain decoding where MaG matches
+nothing): chosen once the target accepts too little for the model to pay. Nothing here is
+timed: a seeded request gives the same tokens whatever shares its batch and however often
+it runs. Rows with a long MaG match go direct (Cascade.direct_match).
 """
 from dataclasses import dataclass
 
@@ -77,11 +78,10 @@ class AutoCascadeDecoder(CascadeDecoder):
         cfg, m = self.config, self.mag_tokens
         alpha, beta = self._rate(state.metrics, 0, state), self._rate(state.metrics, 1, state)
         a = self.grid.to(alpha.dtype)[None, :]  # [1, G]
-        neural = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
-        mag = alpha[:, None] ** a * (beta * (1 - beta ** m) / (1 - beta).clamp_min(1e-6))[:, None]
+        tokens = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
         reviews = torch.ceil(a / (1 + beta[:, None] * m))
-        cost = 1 + cfg.width_cost * (a + m) + self.model_cost * reviews
-        best = ((neural + mag) / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
+        cost = 1 + cfg.width_cost * a + self.model_cost * reviews
+        best = (tokens / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
         budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[best])
         return budgets, cap
 
