@@ -9,7 +9,10 @@ class SamplingParams:
     the same request with the same seed gives the same tokens whatever else shares the batch.
     stop_token_ids end a request in addition to the model's end-of-sequence tokens (the
     tokenizer's and the generation config's) unless ignore_eos; max_tokens is an alias of
-    max_new_tokens."""
+    max_new_tokens. stop: strings that end a request, its text cut before the first one (also
+    when a speculative step committed tokens past it; the token ids end with the token that
+    completed it). logprobs: return each token's log-probability under the target's processed
+    distribution (temperature, top-k, top-p; the raw model's for greedy rows)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -19,6 +22,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = None  # alias of max_new_tokens (OpenAI's name)
+    stop: tuple[str, ...] | str | None = None
+    logprobs: bool = False
 
     def __post_init__(self):
         if self.max_tokens is not None:
@@ -43,6 +48,14 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if self.stop is not None:
+            self.stop = tuple(self.stop)
+            if not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.logprobs, bool):
+            raise TypeError(f"SamplingParams.logprobs must be True or False, got {self.logprobs!r}")
         self.max_tokens = self.max_new_tokens
 
     @property

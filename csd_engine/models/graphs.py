@@ -130,6 +130,9 @@ class GraphedRunner(Runner):
     def use_rows(self, batch: int) -> None:
         self.runner.use_rows(batch)
 
+    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+        self.runner.prefill(rows, ids)  # eager: a graph runs over the leading rows only
+
     def _forget_graphs(self) -> None:
         """Graphs hold the addresses of the cache they were captured on: a new cache (a second
         Engine over this runner) drops them and their memory pool, and later forwards capture

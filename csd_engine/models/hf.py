@@ -60,6 +60,17 @@ class HFRunner(Runner):
         self.cache = _Lengths(batch, self.device, self.caches)
 
     @torch.inference_mode()
+    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+        for i, row in enumerate(range(*rows.indices(len(self.caches)))):
+            self.caches[row] = cache = DynamicCache(config=self.model.config)
+            self.cache.lengths[row] = 0
+            if not ids.shape[1]:
+                continue
+            positions = torch.arange(ids.shape[1], device=self.device)[None, :]
+            self.model(input_ids=ids[i:i + 1].to(self.device), position_ids=positions, past_key_values=cache,
+                       use_cache=True)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         n = batch.input_ids.shape[1]
         lengths = self.cache.lengths.tolist()

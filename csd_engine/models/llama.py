@@ -114,6 +114,17 @@ class LlamaRunner(Runner):
     def use_rows(self, batch: int) -> None:
         self.cache = self.full_cache.rows(batch)
 
+    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+        full = self.full_cache
+        view = KVCache(full.k[:, rows], full.v[:, rows], full.lengths[rows])
+        view.reset()
+        real, self.cache = self.cache, view
+        try:
+            if ids.shape[1]:
+                self(ForwardBatch.chain(ids, view.lengths, ids.shape[1], need_logits=False))
+        finally:
+            self.cache = real
+
     def truncated(self, layers: int) -> "LlamaRunner":
         """An early-exit drafter: this model's first `layers` layers, then its final norm and
         lm_head. The same weight tensors (no copy), a cache of its own (call `allocate`)."""

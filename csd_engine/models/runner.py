@@ -49,6 +49,12 @@ class Runner:
         """Logits [B, n, V] float32 (None when batch.need_logits is False)."""
         raise NotImplementedError
 
+    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+        """Forget rows `rows` of the cache and fill them with `ids` [len(rows), n] (right-padded;
+        the caller then sets each row's committed length). The other rows are not touched, so a
+        request can join a batch whose other rows are mid-generation."""
+        raise NotImplementedError
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         logits = self.forward(batch)
         if logits is not None and self.nonfinite_rows is not None:

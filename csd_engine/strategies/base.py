@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from csd_engine.kernels.random import stream_seed
+from csd_engine.kernels.sampling import processed_ref
 from csd_engine.models.runner import ForwardBatch, Runner
 
 TARGET_STREAM, DRAFT_STREAM = 0, 1  # random streams of the target's checks and of drafters sampling
@@ -49,6 +50,7 @@ class DecodeState:
     all_greedy: bool  # every row at temperature 0: strategies may skip draft distributions
     any_filtered: bool = True  # some row uses top-k / top-p (host-known: lets drafters skip the cut-off search)
     max_top_k: int | None = None  # largest top_k of a row (host-known: a top-k cut-off without a full sort)
+    want_logprobs: bool = False  # some row asked for its tokens' log-probabilities (host-known)
     metrics: "StepMetrics" = field(default_factory=lambda: StepMetrics())
 
     @property
@@ -77,6 +79,7 @@ class Draft:
 class StepOutput:
     tokens: torch.Tensor  # [B, m] int64: tokens emitted this step, left-aligned
     counts: torch.Tensor  # [B] int64: how many of them are real (>= 1 for active rows)
+    logprobs: torch.Tensor | None = None  # [B, m] float32 of each token (only when state.want_logprobs)
 
 
 @dataclass
@@ -97,6 +100,17 @@ class StepMetrics:
         while len(self.drafter_forwards) <= drafter:
             self.drafter_forwards.append(0)
         self.drafter_forwards[drafter] += n
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Zero the per-row counters of `rows` ([B] bool): a new request takes those rows."""
+        for counters in (self.level_accepted, self.level_drafted):
+            for level, value in counters.items():
+                if isinstance(value, torch.Tensor):
+                    counters[level] = value.masked_fill(rows, 0)
+        for name in ("accepted_by_position", "drafted_by_position", "draft_lengths"):
+            value = getattr(self, name)
+            if value is not None:
+                value.masked_fill_(rows[:, None], 0)
 
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
@@ -172,6 +186,21 @@ def emitted_block(drafts: torch.Tensor, num_accepted: torch.Tensor, next_token: 
     return torch.where(col == num_accepted[:, None], next_token[:, None], padded)
 
 
+def emitted_logprobs(state: DecodeState, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+    """[B, m] log-probability of each emitted token under the target's processed distribution at
+    its position (what the verifier sampled from: temperature, top-k, top-p; the raw model's for a
+    greedy row); `logits` [B, m, V] aligned with `tokens` [B, m]. None unless a row asked."""
+    if not state.want_logprobs:
+        return None
+    b, m, vocab = logits.shape
+    per_token = lambda t: t.repeat_interleave(m)  # noqa: E731
+    z, threshold, lse = processed_ref(logits.reshape(b * m, vocab), per_token(state.temperature),
+                                      per_token(state.top_k), per_token(state.top_p),
+                                      filtered=state.any_filtered, max_top_k=state.max_top_k)
+    chosen = z.gather(1, tokens.reshape(-1, 1))[:, 0]
+    return torch.where(chosen >= threshold, chosen - lse, float("-inf")).view(b, m)
+
+
 def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int) -> tuple[StepOutput, torch.Tensor]:
     """The target checks `draft` in one forward over [pending, draft] and its cache keeps
     pending and the accepted drafts. Returns (what the step emits, accepted counts [B]).
@@ -185,7 +214,8 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     state.offset += counters
     state.metrics.target_forwards += 1
     state.metrics.record(0, accepted, draft.length, state.active, draft.tokens.shape[1])
-    return StepOutput(emitted_block(draft.tokens, accepted, res.next_token), accepted + 1), accepted
+    tokens = emitted_block(draft.tokens, accepted, res.next_token)
+    return StepOutput(tokens, accepted + 1, emitted_logprobs(state, logits, tokens)), accepted
 
 
 def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Models, StepMetrics, StepOutput,
-                                        commit, emitted_block, forward_tokens)
+                                        commit, emitted_block, emitted_logprobs, forward_tokens)
 from csd_engine.strategies.speculative import draft_chain
 
 
@@ -120,6 +120,10 @@ class PearlDecoder:
         state.metrics.draft_lengths = torch.zeros(b, self.gamma + 1, dtype=torch.int64, device=dev)
         state.metrics.wait_time_s = {"drafter": 0.0, "target": 0.0}
 
+    def admit(self, rows: torch.Tensor) -> None:
+        """New requests in `rows` ([B] bool) start without carried drafts."""
+        self.post &= ~rows
+
     def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, 1]: 1 where the row starts the next round in post-verify (drafts carried)."""
         return self.post[:, None].to(torch.int64)
@@ -142,7 +146,8 @@ class PearlDecoder:
         num_drafts = torch.where(post, drafts.shape[1] - with_bonus.to(torch.int64), 1)
         res = self.verifier.chain(logits, drafts, num_drafts, q, lenience=1.0, **state.sampling_args(TARGET_STREAM))
         n = res.num_accepted.to(torch.int64)
-        whole = (n == num_drafts) & ~with_bonus  # the chain up to e_1 holds: e_2..e_γ stay valid
+        # the chain up to e_1 holds: e_2..e_γ stay valid (an idle row keeps nothing: its drafter cache must not grow)
+        whole = (n == num_drafts) & ~with_bonus & state.active
         counts = torch.where(whole, n, n + 1)
 
         self.target.cache.advance(counts * state.active)
@@ -157,7 +162,8 @@ class PearlDecoder:
         m.count_drafter(self.drafter_index, g)
         m.record(0, n, num_drafts, state.active, drafts.shape[1])
         m.draft_lengths.scatter_add_(1, num_drafts[:, None], state.active.to(torch.int64)[:, None])
-        out = StepOutput(emitted_block(drafts, n, res.next_token), counts)
+        emitted = emitted_block(drafts, n, res.next_token)
+        out = StepOutput(emitted, counts, emitted_logprobs(state, logits, emitted))
         commit(state, out)
         return out
 

@@ -14,7 +14,7 @@ import torch
 from csd_engine.models.runner import ForwardBatch, Runner
 from csd_engine.ops import ROOT, build_tree_mask
 from csd_engine.strategies.base import (TARGET_STREAM, DecodeState, Models, StepOutput, catch_up_tokens,
-                                        emitted_block, forward_tokens, logits_at)
+                                        emitted_block, emitted_logprobs, forward_tokens, logits_at)
 
 
 @dataclass(frozen=True)
@@ -125,4 +125,9 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     drafted = tree.depth.max(dim=1).values if drafted is None else drafted  # drafted = tree depth
     state.metrics.record(0, accepted, drafted, state.active, tree.max_depth)
     path_tokens = tokens.gather(1, path.clamp(min=0))
-    return StepOutput(emitted_block(path_tokens, accepted, result.next_token), accepted + 1), path
+    emitted = emitted_block(path_tokens, accepted, result.next_token)
+    logprobs = None
+    if state.want_logprobs:  # the token at depth d was drawn from the logits of the path node at depth d - 1
+        nodes = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+        logprobs = emitted_logprobs(state, logits.gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[2])), emitted)
+    return StepOutput(emitted, accepted + 1, logprobs), path

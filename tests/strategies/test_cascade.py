@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from csd_engine import Cascade, Engine, SamplingParams
+from csd_engine import Autoregressive, Cascade, Engine, SamplingParams
 from csd_engine.strategies.cascade import _validate_k_matrix
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
@@ -131,7 +131,12 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
     decoder = Cascade.auto(max_tokens=6, model_cost=0.05).decoder(engine._decoder_models())
-    state = engine._start([[1, 2, 3], [4, 5, 6]], [SamplingParams()] * 2)
+    scheduler = engine.scheduler(Autoregressive(), rows=2)
+    scheduler.add([1, 2, 3])
+    scheduler.add([4, 5, 6])
+    scheduler._admit()
+    state = scheduler.state
+    scheduler.close()
     state.metrics = StepMetrics(level_accepted={0: torch.tensor([1000, 0]), 1: torch.tensor([1000, 0])},
                                 level_drafted={0: torch.tensor([1000, 1000]), 1: torch.tensor([1000, 1000])})
     budgets, _ = decoder.budgets(state, torch.tensor([False, False]))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import csd_engine.engine
+import csd_engine.scheduler
 import csd_engine.models.llama
 from csd_engine.kernels import sampling
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
@@ -117,8 +117,8 @@ def test_a_step_reads_nothing_back(models, name, setting, batch, monkeypatch):
     monkeypatch.setattr(csd_engine.models.llama, "DEBUG_CHECKS", False)
     monkeypatch.setattr(sampling, "READS_ON_CPU", False)
     engine_reads = []
-    read_host = csd_engine.engine.read_host
-    monkeypatch.setattr(csd_engine.engine, "read_host", lambda t: engine_reads.append(1) or read_host(t))
+    read_host = csd_engine.scheduler.read_host
+    monkeypatch.setattr(csd_engine.scheduler, "read_host", lambda t: engine_reads.append(1) or read_host(t))
     drafters, strategy = STRATEGIES[name]
     engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
                     max_batch_size=batch, max_seq_len=64)

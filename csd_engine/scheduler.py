@@ -1,0 +1,440 @@
+"""Continuous batching: requests join and leave the engine's static batch between steps.
+
+    with engine.scheduler(Cascade(...)) as s:
+        s.add("Hello", SamplingParams(max_new_tokens=32))
+        while s.has_unfinished():
+            for out in s.step():  # RequestOutput: the tokens and text each request gained
+                ...
+
+The batch has `rows` slots (the engine's max_batch_size by default). Each `step` first
+admits waiting requests into free slots (a prefill of only those rows, while the other rows
+keep their caches mid-generation), then runs one step of the strategy over every slot (free
+slots masked), reads its tokens once, and returns each request's increment. A request whose
+tokens end (stop token, stop string, length, abort, non-finite logits) leaves its slot at once.
+A request's tokens do not depend on when it arrived or what shares its batch: its row starts
+from fresh caches, with its own random counter and per-row random streams.
+
+Host reads: the step's one read (`engine.read_host`), plus one read of the decoder's plan
+in a step that admits requests (their plan rows), plus each finished request's counters.
+
+Thread safety: a scheduler holds the engine's caches, so an engine has at most one at a time
+(a second, or `generate` meanwhile, raises "busy"), and one thread drives it. Serve many
+callers through `csd_engine.serving.AsyncEngine`, which drives one from its own thread.
+"""
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from csd_engine.params import SamplingParams
+from csd_engine.strategies.base import DecodeState
+from csd_engine.text import IncrementalText
+
+
+def _max_top_k(params: list[SamplingParams]) -> int | None:
+    """The largest top_k when every filtered row has one (a top-k sort that wide then holds every
+    cut-off), else None."""
+    filtered = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+    return max(p.top_k for p in filtered) if filtered and all(p.top_k > 0 for p in filtered) else None
+
+
+def read_host(tensor: torch.Tensor) -> list:
+    """The engine's one device-to-host read per step (tests count the calls)."""
+    return tensor.tolist()
+
+
+# Room past max_seq_len for the blocks a strategy feeds (draft + bonus, or tree nodes): writes
+# beyond a row's committed length must stay inside the buffer.
+HEADROOM = 256
+
+
+@dataclass
+class Metrics:
+    new_tokens: int
+    target_forwards: int
+    drafter_forwards: list[int]
+    wall_time_s: float  # this request's own: from its arrival (queue and prefill included) to its last token
+    tokens_per_s: float
+    mean_accepted_tokens: float  # tokens emitted per target forward, bonus included (AR = 1.0)
+    accepted: int = 0  # draft tokens the target accepted
+    drafted: int = 0  # draft tokens offered to the target
+    acceptance_by_position: list[float] = field(default_factory=list)
+    acceptance_by_level: dict[int, float] = field(default_factory=dict)  # level 0 = reviews by the target
+    swi: float = 1.0  # standardized walltime improvement (model-size cost model)
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length offered to the target -> rounds
+    wait_time_s: dict[str, float] = field(default_factory=dict)  # "drafter" / "target": waiting on the other
+    time_to_first_token_s: float = 0.0  # from its arrival (queue and prefill included) to its first token
+    accepted_per_position: list[int] = field(default_factory=list)  # draft position -> tokens the target accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # draft position -> tokens offered
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens or max_seq_len), "abort", "error"
+    metrics: Metrics | None
+    logprobs: list[float] | None = None  # per token, when asked (SamplingParams.logprobs)
+    error: str | None = None  # why, when finish_reason == "error"
+    failed_models: list[int] = field(default_factory=list)  # indexes into engine.models() with non-finite logits
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue is at its `max_waiting`."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens this step added
+    text: str | None  # the text they added (None without a tokenizer); deltas concatenate to the result's text
+    logprobs: list[float] | None = None  # per new token, when the request asked
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    result: object | None = None  # the whole request (GenerationResult) once finished
+    error: str | None = None  # why, when finish_reason == "error"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    stops: set
+    limit: int  # new tokens allowed (max_new_tokens, capped by max_seq_len)
+    arrival: float
+    text: IncrementalText | None
+    row: int = -1
+    output: list = field(default_factory=list)
+    logprobs: list | None = None
+    forwards: list | None = None  # target, then each drafter
+    first_token_s: float = 0.0  # since arrival
+    done_s: float = 0.0
+    finish: str | None = None
+    error: str | None = None
+    final_text: str | None = None
+    failed_models: list = field(default_factory=list)
+    sent: int = 0  # tokens already handed out in increments
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+class Scheduler:
+    def __init__(self, engine, strategy, rows: int | None = None, max_waiting: int | None = None):
+        rows = engine.max_batch_size if rows is None else rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= engine.max_batch_size:
+            raise ValueError(f"rows must be an int in [1, max_batch_size={engine.max_batch_size}], got {rows!r}")
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 0):
+            raise ValueError(f"max_waiting must be None (unbounded) or an int >= 0, got {max_waiting!r}")
+        if not hasattr(strategy, "decoder"):
+            raise TypeError(f"unknown strategy {strategy!r}: pass one of csd_engine.Autoregressive, "
+                            "Speculative, Cascade, Staged, Pearl")
+        decoder = strategy.decoder(engine._decoder_models())  # validates the strategy against the drafters
+        if 2 * decoder.max_tokens_per_forward > HEADROOM:
+            # A row can commit up to one forward past its limit in its last step, and a row is
+            # fed (masked) once more before it leaves: two forwards must fit.
+            raise ValueError(f"the strategy feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
+                             f"at most {HEADROOM // 2} fit the cache headroom")
+        if not engine._busy.acquire(blocking=False):
+            raise RuntimeError("the engine is busy: another generate or scheduler holds its caches (one at a "
+                               "time; serve concurrent callers through csd_engine.serving.AsyncEngine)")
+        self.engine, self.decoder, self.max_waiting = engine, decoder, max_waiting
+        self.closed = False
+        self.state = self._empty_state(rows)
+        for runner in engine.models():
+            runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
+            runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
+            runner.cache.reset()
+        if hasattr(decoder, "start"):
+            decoder.start(self.state, None)
+        self.slots: list[Request | None] = [None] * rows
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.to_abort: list[str] = []
+        self.committed = [0] * rows  # host mirror of state.committed (occupied rows)
+        self.plan = None
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. Raises ValueError for a bad
+        prompt or parameters and QueueFull when `max_waiting` requests already wait."""
+        self._check_open()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.engine.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        ids = self.engine._encode_prompt(prompt)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting}): retry later")
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        elif request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        engine = self.engine
+        text = None if engine.tokenizer is None else IncrementalText(engine.tokenizer, params.stop or ())
+        request = Request(request_id, ids, params, set(params.stop_token_ids or ()) | engine._eos(params),
+                          min(params.max_new_tokens, engine.max_seq_len - len(ids)), time.perf_counter(), text,
+                          logprobs=[] if params.logprobs else None, forwards=[0] * (1 + len(engine.drafters)))
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at the next step (its slot is freed then); False if it is unknown or done."""
+        if request_id not in self.requests:
+            return False
+        self.to_abort.append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.to_abort or any(self.slots))
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def close(self) -> None:
+        """Give the engine's caches back (the scheduler cannot be used afterwards)."""
+        if not self.closed:
+            self.closed = True
+            self.engine._busy.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError("this scheduler is closed")
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one decoding step, and return every request's increment."""
+        self._check_open()
+        outputs = self._abort()
+        if self._admit():
+            self.plan = self._read_plan()
+        if not any(self.slots):
+            return outputs
+        state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
+        before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
+        out = self.decoder.step(state, self.plan)
+        after = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
+        models = engine.models()
+        nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in models], 1)  # [B, models]
+        parts = [out.counts[:, None], out.tokens, nonfinite.long()]
+        if out.logprobs is not None:
+            parts.append(out.logprobs.view(torch.int32).long())  # the float bits ride along in the one read
+        next_plan = self.decoder.plan(state) if hasattr(self.decoder, "plan") else None
+        if next_plan is not None:
+            parts.append(next_plan)
+        host = read_host(torch.cat(parts, dim=1))  # the one read
+        m, n_models = out.tokens.shape[1], len(models)
+        now = time.perf_counter()
+        finished = []
+        for row, request in enumerate(self.slots):
+            if request is None:
+                continue
+            values = host[row]
+            request.forwards = [f + a - c for f, a, c in zip(request.forwards, after, before)]
+            bad = [i for i, flag in enumerate(values[1 + m:1 + m + n_models]) if flag]
+            if bad:
+                request.finish, request.error = "error", engine._nonfinite_message(bad, [request.id])
+                request.failed_models = bad
+            else:
+                count = values[0]
+                logprobs = None
+                if out.logprobs is not None:
+                    bits = torch.tensor(values[1 + m + n_models:1 + 2 * m + n_models], dtype=torch.int64)
+                    logprobs = bits.to(torch.int32).view(torch.float32).tolist()
+                self.committed[row] += count
+                self._extend(request, values[1:1 + count], logprobs, now)
+            if request.finish:
+                finished.append(request)
+        outputs += [self._increment(r) for r in self.slots if r is not None]
+        for request in finished:
+            self._free(request)
+        occupied = [r is not None for r in self.slots]
+        if finished:
+            state.active.copy_(torch.tensor(occupied, device=engine.device))  # a host-to-device copy when a row ends
+            self._update_hints()
+        if any(occupied):
+            state.max_committed = max(c for c, o in zip(self.committed, occupied) if o)
+        plan_from = 1 + m + n_models + (m if out.logprobs is not None else 0)
+        self.plan = None if next_plan is None else [host[row][plan_from:] for row in range(len(host)) if occupied[row]]
+        return outputs
+
+    def _extend(self, request: Request, tokens: list[int], logprobs, now: float) -> None:
+        """Append a step's tokens to a request, ending it at a stop token, stop string or its limit."""
+        request.first_token_s = request.first_token_s or now - request.arrival
+        request.done_s = now - request.arrival
+        checked = len(request.output)
+        for i, token in enumerate(tokens):
+            request.output.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            if token in request.stops:
+                request.finish = "stop"
+            elif len(request.output) >= request.limit:
+                request.finish = "length"
+            if request.finish:
+                break
+        if request.text is not None:
+            text = request.text.decode(request.output)
+            stopped = request.text.stop_at(request.output, text, checked)
+            if stopped is not None:
+                keep, text = stopped
+                del request.output[keep:]
+                if request.logprobs is not None:
+                    del request.logprobs[keep:]
+                request.finish = "stop"
+            request.final_text = text
+
+    def _increment(self, request: Request) -> RequestOutput:
+        """The request's output since its last increment (`request.sent` marks it)."""
+        sent, request.sent = request.sent, len(request.output)
+        text = None
+        if request.text is not None:
+            text = request.text.delta(request.final_text or "", final=request.finish is not None)
+        logprobs = None if request.logprobs is None else request.logprobs[sent:]
+        done = request.finish is not None
+        return RequestOutput(request.id, request.output[sent:], text, logprobs, done, request.finish,
+                             self._result(request) if done else None, request.error)
+
+    def _result(self, request: Request):
+        text = request.final_text if request.text is not None else None
+        if request.text is not None and request.final_text is None:
+            text = ""
+        metrics = self.engine._metrics(self.state.metrics, request.row, len(request.output), request.forwards,
+                                       request.done_s, request.first_token_s) if request.row >= 0 else None
+        return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
+                                request.error, request.failed_models)
+
+    def _abort(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in self.to_abort:
+            request = self.requests.get(request_id)
+            if request is None or request.finish:
+                continue
+            request.finish = "abort"
+            if request.row < 0:
+                self.waiting.remove(request)
+                outputs.append(self._increment(request))
+                del self.requests[request.id]
+            else:
+                outputs.append(self._increment(request))
+                self._free(request)
+        if self.to_abort:
+            self.to_abort = []
+            occupied = [r is not None for r in self.slots]
+            self.state.active.copy_(torch.tensor(occupied, device=self.engine.device))
+            self._update_hints()
+        return outputs
+
+    # -- slots ---------------------------------------------------------------------------------
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots: reset their rows and prefill every model there."""
+        free = [row for row, r in enumerate(self.slots) if r is None]
+        new = []
+        while free and self.waiting:
+            request = self.waiting.popleft()
+            request.row = free.pop(0)
+            self.slots[request.row] = request
+            new.append(request)
+        if not new:
+            return False
+        state, engine = self.state, self.engine
+        dev, rows = engine.device, len(self.slots)
+        index = torch.tensor([r.row for r in new], device=dev)
+        block = torch.zeros(len(new), state.tokens.shape[1], dtype=torch.int64)
+        for i, r in enumerate(new):
+            block[i, :len(r.prompt)] = torch.tensor(r.prompt)
+            self.committed[r.row] = len(r.prompt) - 1  # the last prompt token is `pending`
+        state.tokens[index] = block.to(dev)
+        values = lambda f, dtype: torch.tensor([f(r) for r in new], dtype=dtype, device=dev)  # noqa: E731
+        state.committed[index] = values(lambda r: len(r.prompt) - 1, torch.int64)
+        state.pending[index] = values(lambda r: r.prompt[-1], torch.int64)
+        state.temperature[index] = values(lambda r: r.params.temperature, torch.float32)
+        state.top_k[index] = values(lambda r: r.params.top_k, torch.int32)
+        state.top_p[index] = values(lambda r: r.params.top_p, torch.float32)
+        state.seed[index] = values(lambda r: _fresh_seed() if r.params.seed is None else r.params.seed, torch.int64)
+        state.offset[index] = 0
+        mask = torch.zeros(rows, dtype=torch.bool, device=dev)
+        mask[index] = True
+        for lo, hi in _runs(sorted(r.row for r in new)):
+            width = max(len(self.slots[row].prompt) for row in range(lo, hi)) - 1
+            for runner in engine.models():  # prefill: every prompt but its last token, right-padded
+                runner.prefill(slice(lo, hi), state.tokens[lo:hi, :width].to(runner.device))
+                runner.cache.lengths[lo:hi] = state.committed[lo:hi].to(runner.device)
+        for runner in engine.models():
+            runner.nonfinite_rows.masked_fill_(mask.to(runner.device), False)
+        state.metrics.reset_rows(mask)
+        if hasattr(self.decoder, "admit"):
+            self.decoder.admit(mask)
+        state.active.copy_(torch.tensor([r is not None for r in self.slots], device=dev))
+        state.max_committed = max(c for c, r in zip(self.committed, self.slots) if r is not None)
+        self._update_hints()
+        return True
+
+    def _free(self, request: Request) -> None:
+        """The request leaves its slot; the row's caches forget it (an idle row stays short)."""
+        row = request.row
+        self.slots[row] = None
+        self.requests.pop(request.id, None)
+        self.state.committed[row] = 0
+        for runner in self.engine.models():
+            runner.cache.lengths[row] = 0
+
+    def _read_plan(self):
+        """The decoder's plan rows of the occupied slots (read once in a step that admits)."""
+        if not hasattr(self.decoder, "plan"):
+            return None
+        rows = self.decoder.plan(self.state)
+        if rows is None:
+            return None
+        return [row for row, r in zip(read_host(rows), self.slots) if r is not None]
+
+    def _update_hints(self) -> None:
+        """The host-known summaries of the occupied rows' sampling settings."""
+        params = [r.params for r in self.slots if r is not None]
+        if not params:
+            return
+        state = self.state
+        state.all_greedy = all(p.greedy for p in params)
+        state.any_filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+        state.max_top_k = _max_top_k(params)
+        state.want_logprobs = any(p.logprobs for p in params)
+
+    def _empty_state(self, rows: int) -> DecodeState:
+        dev = self.engine.device
+        zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=dev)  # noqa: E731
+        return DecodeState(
+            tokens=torch.zeros(rows, self.engine.capacity, dtype=torch.int64, device=dev),
+            committed=zeros(torch.int64), pending=zeros(torch.int64), active=zeros(torch.bool),
+            temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, device=dev),
+            seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True)
+
+
+def _runs(rows: list[int]):
+    """Maximal runs of consecutive row indices, as (lo, hi) half-open ranges."""
+    start = prev = rows[0]
+    for row in rows[1:]:
+        if row != prev + 1:
+            yield start, prev + 1
+            start = row
+        prev = row
+    yield start, prev + 1
