@@ -285,7 +285,7 @@ class Scheduler:
         checked = len(request.output)
         for i, token in enumerate(tokens):
             request.output.append(token)
-            if logprobs is not None:
+            if request.logprobs is not None:
                 request.logprobs.append(logprobs[i])
             if token in request.stops:
                 request.finish = "stop"

@@ -1,0 +1,263 @@
+"""Continuous batching (csd_engine.scheduler), every strategy alike:
+
+* requests arriving at different steps, joining rows that others left, each give the tokens
+  they give alone (greedy: plain decoding; seeded sampling: the same draws), in float32 on the
+  CPU;
+* abort frees the row for the next request; idle rows never grow a cache;
+* streamed increments concatenate to `generate`'s result (tokens, text with split UTF-8
+  characters, log-probabilities); stop strings cut the text before the stop, also inside a
+  multi-token step; log-probabilities are those of the target's processed distribution;
+* clear refusals: a second user of a busy engine, a full queue; a request whose model output
+  goes non-finite fails alone.
+"""
+import math
+
+import pytest
+import torch
+
+from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine.scheduler import HEADROOM, QueueFull
+from tests.strategies.common import processed_probs
+from tests.strategies.test_every_strategy import STRATEGIES, repetitive_prompt
+from tests.tiny_models import VOCAB, perturbed, random_prompts, tiny_llama
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer over the tiny vocabulary: some tokens are halves of a two-byte
+    UTF-8 character, so a character can arrive split across steps (decoded as U+FFFD first)."""
+
+    eos_token_id = None
+
+    def __init__(self):
+        self.pieces = [bytes([0xC3]) if t % 7 == 0 else bytes([0xA9]) if t % 7 == 1 else
+                       (" " if t % 5 == 0 else chr(ord("a") + t % 26)).encode() for t in range(VOCAB)]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=41)
+    return {"target": target, "d1": perturbed(target, noise=0.2, seed=42), "d2": perturbed(target, noise=0.5, seed=43)}
+
+
+_engines = {}
+
+
+def engine_for(models, name: str, rows: int = 3) -> Engine:
+    drafters = STRATEGIES[name][0]
+    key = (drafters, rows)
+    if key not in _engines:
+        _engines[key] = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                               max_batch_size=rows, max_seq_len=64, verify_backend="torch",
+                               tokenizer=ByteTokenizer())
+    return _engines[key]
+
+
+def alone(engine, strategy, prompt, params):
+    return engine.generate([prompt], params, strategy=strategy)[0]
+
+
+# (prompt, params, step at which it arrives)
+ARRIVALS = [
+    (repetitive_prompt(7), SamplingParams(temperature=1.0, seed=1234, max_new_tokens=20), 0),
+    (random_prompts(1, lo=2, hi=9, seed=1)[0], SamplingParams(max_new_tokens=5), 0),
+    (repetitive_prompt(9, 14), SamplingParams(temperature=0.7, top_k=5, seed=1, max_new_tokens=12), 1),
+    (random_prompts(1, lo=1, hi=4, seed=2)[0], SamplingParams(max_new_tokens=18), 3),
+    (random_prompts(1, lo=5, hi=15, seed=3)[0], SamplingParams(temperature=1.3, top_p=0.8, seed=2,
+                                                                max_new_tokens=9), 3),
+    (repetitive_prompt(7), SamplingParams(temperature=1.0, seed=1234, max_new_tokens=20), 6),  # the first, again
+]
+
+
+def run_arrivals(scheduler, arrivals, check=None):
+    """Feed `arrivals` at their steps; returns {request index: result} and every output seen."""
+    results, step, ids = {}, 0, {}
+    while len(results) < len(arrivals):
+        for i, (prompt, params, at) in enumerate(arrivals):
+            if at == step:
+                ids[scheduler.add(prompt, params)] = i
+        for out in scheduler.step():
+            if out.finished:
+                results[ids[out.request_id]] = out.result
+        if check:
+            check(scheduler)
+        step += 1
+        assert step < 500, "the scheduler does not finish"
+    return results
+
+
+def idle_rows_stay_short(scheduler):
+    for row, request in enumerate(scheduler.slots):
+        if request is None:
+            for runner in scheduler.engine.models():
+                assert runner.cache.lengths[row] <= HEADROOM // 2, "an idle row's cache grew"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_requests_joining_and_leaving_give_their_tokens_alone(models, name):
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    with engine.scheduler(strategy) as scheduler:
+        results = run_arrivals(scheduler, ARRIVALS, idle_rows_stay_short)
+    for i, (prompt, params, _) in enumerate(ARRIVALS):
+        expected = alone(engine, strategy, prompt, params)
+        assert results[i].token_ids == expected.token_ids, f"{name}: request {i} changed under continuous batching"
+        assert results[i].finish_reason == expected.finish_reason
+        assert results[i].text == expected.text
+        mine, theirs = results[i].metrics, expected.metrics  # its own counters, not its row's history
+        assert (mine.accepted, mine.drafted, mine.target_forwards, mine.acceptance_by_level) == \
+            (theirs.accepted, theirs.drafted, theirs.target_forwards, theirs.acceptance_by_level)
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "cascade2-l2", "pearl"])
+def test_abort_frees_the_row_for_the_next_request(models, name):
+    engine = engine_for(models, name, rows=1)
+    strategy = STRATEGIES[name][1]
+    first, second = repetitive_prompt(3), repetitive_prompt(4)
+    params = SamplingParams(max_new_tokens=30)
+    with engine.scheduler(strategy) as scheduler:
+        a, b = scheduler.add(first, params), scheduler.add(second, params)
+        partial = []
+        for _ in range(2):
+            partial += [t for out in scheduler.step() for t in out.token_ids if out.request_id == a]
+        assert scheduler.abort(a) and len(scheduler.waiting) == 1
+        outs = scheduler.step()  # the abort frees the row and `b` joins in the same step
+        aborted = next(out for out in outs if out.request_id == a)
+        assert aborted.finished and aborted.finish_reason == "abort"
+        assert aborted.result.token_ids == partial
+        assert not scheduler.waiting and scheduler.slots[0].id == b
+        done = {}
+        while scheduler.has_unfinished():
+            done.update((out.request_id, out.result) for out in scheduler.step() if out.finished)
+    assert partial == alone(engine, strategy, first, params).token_ids[:len(partial)]
+    assert done[b].token_ids == alone(engine, strategy, second, params).token_ids
+
+
+def test_abort_of_a_waiting_request_and_unknown_ids(models):
+    engine = engine_for(models, "autoregressive", rows=1)
+    with engine.scheduler() as scheduler:
+        a, b = scheduler.add([1, 2, 3]), scheduler.add([4, 5, 6])
+        assert scheduler.abort(b) and not scheduler.abort("nope")
+        outs = scheduler.step()
+        assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(b, "abort")]
+        with pytest.raises(ValueError, match="already in use"):
+            scheduler.add([1], request_id=a)
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative-mag", "cascade-tree", "staged", "pearl"])
+def test_stream_increments_concatenate_to_the_result(models, name):
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompts = [repetitive_prompt(5), random_prompts(1, seed=9)[0], repetitive_prompt(6, 10)]
+    params = [SamplingParams(max_new_tokens=25, logprobs=True),
+              SamplingParams(temperature=1.0, seed=3, max_new_tokens=17, logprobs=True),
+              SamplingParams(temperature=0.8, top_k=10, seed=4, max_new_tokens=21)]
+    expected = engine.generate(prompts, params, strategy=strategy)
+    tokens, text, logprobs, results = {}, {}, {}, {}
+    saw_split_character = False
+    for out in engine.stream(prompts, params, strategy=strategy):
+        tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        text[out.request_id] = text.get(out.request_id, "") + out.text
+        if out.logprobs is not None:
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+        saw_split_character |= "\ufffd" in engine.tokenizer.decode(tokens[out.request_id])[-1:]
+        if out.finished:
+            results[out.request_id] = out.result
+    for i, e in enumerate(expected):
+        r = results[str(i)]
+        assert tokens[str(i)] == r.token_ids == e.token_ids
+        assert text[str(i)] == r.text == e.text == engine.tokenizer.decode(e.token_ids)
+        if params[i].logprobs:
+            assert logprobs[str(i)] == r.logprobs and len(r.logprobs) == len(r.token_ids)
+            assert r.logprobs == pytest.approx(e.logprobs, abs=1e-5)
+        else:
+            assert r.logprobs is None and str(i) not in logprobs
+    assert saw_split_character, "no step ended inside a two-byte character: the hold-back went untested"
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative-mag", "cascade2-l2", "cascade-tree", "pearl"])
+def test_stop_strings_cut_the_text_before_the_stop(models, name):
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompt = repetitive_prompt(11)
+    free = alone(engine, strategy, prompt, SamplingParams(max_new_tokens=30))
+    text = free.text
+    starts = [i for i in range(3, len(text) - 3) if "\ufffd" not in text[i:i + 3]][:3]
+    assert starts, "the free text has no clean 3-character window"
+    for start in starts:
+        stop = text[start:start + 3]
+        cut = text.find(stop)
+        r = alone(engine, strategy, prompt, SamplingParams(max_new_tokens=30, stop=[stop, "never there"]))
+        assert r.finish_reason == "stop" and r.text == text[:cut]
+        n = next(n for n in range(1, len(free.token_ids) + 1) if stop in engine.tokenizer.decode(free.token_ids[:n]))
+        assert r.token_ids == free.token_ids[:n], "the tokens must end with the one that completed the stop string"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_logprobs_are_the_target_processed_distribution(models, name):
+    """Every path (chain, tree, PEARL) reports log p(token | prefix) of the distribution the
+    target's check sampled from: raw for greedy rows, tempered and filtered for sampled ones."""
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompt = repetitive_prompt(12)
+    settings = [dict(), dict(temperature=0.8, top_k=12, seed=9), dict(temperature=1.2, top_p=0.9, seed=10)]
+    results = engine.generate([prompt] * 3, [SamplingParams(max_new_tokens=12, logprobs=True, **s)
+                                             for s in settings], strategy=strategy)
+    for s, r in zip(settings, results):
+        seq = prompt + r.token_ids
+        with torch.no_grad():
+            logits = models["target"](torch.tensor([seq[:-1]])).logits[0, len(prompt) - 1:]
+        probs = processed_probs(logits, s.get("temperature", 1.0), s.get("top_k", 0), s.get("top_p", 1.0))
+        expected = probs[torch.arange(len(r.token_ids)), torch.tensor(r.token_ids)].log()
+        assert r.logprobs == pytest.approx(expected.tolist(), abs=1e-4), f"{name}: {s}"
+        assert all(math.isfinite(x) for x in r.logprobs)
+
+
+def test_a_busy_engine_refuses_a_second_user_and_recovers(models):
+    engine = engine_for(models, "autoregressive", rows=1)
+    scheduler = engine.scheduler()
+    with pytest.raises(RuntimeError, match="the engine is busy"):
+        engine.generate([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="the engine is busy"):
+        engine.scheduler()
+    scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.step()
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_full_queue_and_bad_requests_are_refused_clearly(models):
+    engine = engine_for(models, "autoregressive", rows=1)
+    with engine.scheduler(max_waiting=1) as scheduler:
+        scheduler.add([1, 2])
+        with pytest.raises(QueueFull, match="max_waiting=1"):
+            scheduler.add([3, 4])
+        with pytest.raises(ValueError, match="prompt has 64 tokens; max_seq_len=64"):
+            scheduler.add([1] * 64)
+        with pytest.raises(ValueError, match=r"token ids outside \[0, 96\)"):
+            scheduler.add([1, 200])
+        with pytest.raises(TypeError, match="params must be a SamplingParams"):
+            scheduler.add([1], {"temperature": 1})
+        scheduler.step()  # the queued request runs: nothing a refusal touched leaked into it
+        with pytest.raises(ValueError, match="stop must be a non-empty string"):
+            SamplingParams(stop=[""])
+
+
+def test_a_request_with_non_finite_logits_fails_alone():
+    healthy = tiny_llama(seed=7)
+    broken = tiny_llama(seed=7)
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[5] = float("nan")
+    engine = Engine(broken, max_batch_size=2, max_seq_len=32, verify_backend="torch")
+    params = SamplingParams(max_new_tokens=6)
+    with engine.scheduler(Autoregressive()) as scheduler:
+        good, bad = scheduler.add([1, 2, 3], params), scheduler.add([4, 5, 6], params)
+        done = {}
+        while scheduler.has_unfinished():
+            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
+    assert done[bad].finish_reason == "error" and "non-finite logits" in done[bad].error
+    assert done[bad].result.token_ids == []
+    plain = Engine(healthy, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0]
+    assert done[good].result.token_ids == plain.token_ids and done[good].finish_reason == "length"
