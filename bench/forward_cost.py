@@ -14,7 +14,8 @@ came from this script's version in commit 3b771e0 (`--agreement`).
 For each (model, dtype, n) every path of PATHS (csd_engine's native runner; transformers'
 forward with its dynamic cache, for comparison) times a forward of n tokens after a
 `--context`-token prefix: median and min-max of `--repeats` calls after one warm-up. A new
-path (a quantized or early-exit drafter, say) is one more entry in PATHS. Prints a table and
+path (a quantized or early-exit drafter, say) is one more entry in PATHS; "native,
+batch-invariant" is the runner of Engine(batch_invariant=True), to price that mode. Prints a table and
 writes bench/results/forward-cost-*.json.
 """
 import sys
@@ -33,10 +34,12 @@ from csd_engine.models.loader import load_runner  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
-def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int):
+def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int, batch_invariant: bool = False):
     """csd_engine's native runner: static cache, rolled back to the prefix by a length update."""
     context = prefix.shape[1]
     runner = LlamaRunner(model, "cpu", dtype)
+    if batch_invariant:
+        runner.make_batch_invariant()
     runner.allocate(1, context + max_n + 8)
     runner(ForwardBatch.chain(prefix, runner.cache.lengths, context, need_logits=False))
 
@@ -63,6 +66,7 @@ def transformers_dynamic(model, dtype: torch.dtype, prefix: torch.Tensor, max_n:
 # KEY_ms (median), KEY_min_ms, KEY_max_ms and KEY_vs_1 (median / the n = 1 median)
 PATHS = {
     "native": ("native", native),
+    "invariant": ("native, batch-invariant", lambda *a: native(*a, batch_invariant=True)),
     "hf": ("transformers", transformers_dynamic),
 }
 

@@ -24,6 +24,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
+from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import load_runner
 from csd_engine.params import SamplingParams
 from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler, read_host  # noqa: F401
@@ -34,13 +35,14 @@ class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False,
-                 fused_kernels: bool = False, drafter_device=None):
+                 fused_kernels: bool = False, drafter_device=None, batch_invariant: bool = False):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
-        if not isinstance(fused_kernels, bool):
-            raise TypeError(f"fused_kernels must be True or False, got {fused_kernels!r}")
+        for name, flag in (("fused_kernels", fused_kernels), ("batch_invariant", batch_invariant)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the
         # other strategies refuse such an engine (strategies.base.require_one_device).
@@ -59,6 +61,8 @@ class Engine:
             if not isinstance(d, MaG) and d.device != self.drafter_device:
                 raise ValueError(f"drafter {i} is a runner on {d.device}, but the engine puts drafters on "
                                  f"{self.drafter_device} (drafter_device): build it there or pass a model")
+        if batch_invariant:
+            self._make_batch_invariant()
         self.capacity = max_seq_len + HEADROOM
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
@@ -72,6 +76,18 @@ class Engine:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")
         return runner
+
+    def _make_batch_invariant(self) -> None:
+        """Every model's logits for a row stop depending on the other rows (LlamaRunner.make_batch_invariant),
+        so a seeded request gives the same tokens whatever shares its batch on any device."""
+        for i, runner in enumerate(self.models()):
+            native = getattr(runner, "runner", runner)  # a GraphedRunner wraps the native runner
+            if not isinstance(native, LlamaRunner):
+                which = "the target" if i == 0 else f"drafter {i - 1}"
+                raise ValueError(f"batch_invariant=True needs the native runner, but {which} runs on the generic "
+                                 "transformers runner (its forwards take another shape per step): load it with "
+                                 "native=True (Llama / Qwen2 / Mistral architectures)")
+            native.make_batch_invariant()
 
     def models(self):
         """The neural runners (target first); MaG has no cache."""

@@ -148,17 +148,22 @@ class Scheduler:
                                "time; serve concurrent callers through csd_engine.serving.AsyncEngine)")
         self.engine, self.decoder, self.max_waiting = engine, decoder, max_waiting
         self.closed = False
-        self.state = self._empty_state(rows)
-        for runner in engine.models():
-            runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
-            runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
-            runner.cache.reset()
-        if hasattr(decoder, "start"):
-            decoder.start(self.state, None)
+        try:
+            self.state = self._empty_state(rows)
+            for runner in engine.models():
+                runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
+                runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
+                runner.cache.reset()
+            if hasattr(decoder, "start"):
+                decoder.start(self.state, None)
+        except BaseException:
+            self.close()
+            raise
         self.slots: list[Request | None] = [None] * rows
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.to_abort: list[str] = []
+        self.freed: list[int] = []  # rows freed since the last step
         self.committed = [0] * rows  # host mirror of state.committed (occupied rows)
         self.plan = None
         self._ids = itertools.count()
@@ -225,9 +230,10 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one decoding step, and return every request's increment."""
         self._check_open()
-        outputs = self._abort()
-        if self._admit():
+        outputs, freed = self._abort()
+        if self._admit() or freed:  # the plan rows of the occupied slots changed
             self.plan = self._read_plan()
+        self._empty_freed_rows()
         if not any(self.slots):
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
@@ -324,8 +330,9 @@ class Scheduler:
         return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
                                 request.error, request.failed_models)
 
-    def _abort(self) -> list[RequestOutput]:
-        outputs = []
+    def _abort(self) -> tuple[list[RequestOutput], bool]:
+        """End the requests `abort` named; returns their outputs and whether a running one left."""
+        outputs, freed = [], False
         for request_id in self.to_abort:
             request = self.requests.get(request_id)
             if request is None or request.finish:
@@ -338,12 +345,13 @@ class Scheduler:
             else:
                 outputs.append(self._increment(request))
                 self._free(request)
+                freed = True
         if self.to_abort:
             self.to_abort = []
             occupied = [r is not None for r in self.slots]
             self.state.active.copy_(torch.tensor(occupied, device=self.engine.device))
             self._update_hints()
-        return outputs
+        return outputs, freed
 
     # -- slots ---------------------------------------------------------------------------------
     def _admit(self) -> bool:
@@ -391,13 +399,22 @@ class Scheduler:
         return True
 
     def _free(self, request: Request) -> None:
-        """The request leaves its slot; the row's caches forget it (an idle row stays short)."""
-        row = request.row
-        self.slots[row] = None
+        """The request leaves its slot; the next step empties the row (`_empty_freed_rows`)."""
+        self.slots[request.row] = None
         self.requests.pop(request.id, None)
-        self.state.committed[row] = 0
-        for runner in self.engine.models():
-            runner.cache.lengths[row] = 0
+        self.freed.append(request.row)
+
+    def _empty_freed_rows(self) -> None:
+        """Rows freed since the last step and still free forget their request (committed and
+        cache lengths 0), so an idle row never holds the attention bound up or grows. Done at
+        the next step, not at once, so that after the last step the caches still show it."""
+        rows = [row for row in self.freed if self.slots[row] is None]
+        self.freed = []
+        if rows:
+            index = torch.tensor(rows, device=self.engine.device)
+            self.state.committed[index] = 0
+            for runner in self.engine.models():
+                runner.cache.lengths[index.to(runner.device)] = 0
 
     def _read_plan(self):
         """The decoder's plan rows of the occupied slots (read once in a step that admits)."""

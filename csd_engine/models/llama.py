@@ -20,6 +20,7 @@ early-exit drafter: a view running the first L layers, then the model's own fina
 sharing every weight tensor and owning a cache of its own.
 """
 import copy
+import dataclasses
 import os
 
 import torch
@@ -34,6 +35,9 @@ from csd_engine.models.runner import ForwardBatch, Runner
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
+ROW_BLOCK = 16  # matmul rows per block in batch-invariant mode
+KV_ROUND = 64  # batch-invariant mode: SDPA's key range rounded up to a multiple of this
+INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (fixed by the capacity only)
 
 
 class LlamaRunner(Runner):
@@ -54,6 +58,7 @@ class LlamaRunner(Runner):
         self.eps = cfg.rms_norm_eps
         self.vocab_size = cfg.vocab_size
         self.attention_backend = attention_backend
+        self.row_block = 0  # > 0: batch-invariant matmuls (make_batch_invariant)
         head_dim_ok = self.head_dim >= 2 and self.head_dim & (self.head_dim - 1) == 0
         self.fused = bool(fused)
         if self.fused and not head_dim_ok:
@@ -139,6 +144,18 @@ class LlamaRunner(Runner):
         view.num_params = self.num_params - sum(self.layer_params[layers:])
         return view
 
+    def make_batch_invariant(self) -> None:
+        """A row's logits stop depending on the other rows: fixed-size row blocks through every
+        matmul, and a fixed split of the KV range in the Triton attention (its default split
+        follows the batch); SDPA's key range is rounded up so it never takes its short-range path.
+        Costs the padding of each matmul to a multiple of ROW_BLOCK rows."""
+        self.row_block = ROW_BLOCK
+        if self.device.type == "cuda":
+            self.attention_backend = "triton"  # its KV split is fixed above; SDPA's CUDA kernels choose their own
+
+    def _linear(self, x, weight, bias=None):
+        return linear(x, weight, bias, self.row_block)
+
     def _rmsnorm(self, x, weight):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
 
@@ -146,7 +163,8 @@ class LlamaRunner(Runner):
         k_all, v_all = self.cache.k[layer], self.cache.v[layer]
         if self.attention_backend == "triton":
             from csd_engine.kernels.attention import cache_attention
-            return cache_attention(q, k_all, v_all, lengths, batch.tree_mask)
+            splits = max(1, k_all.shape[2] // INVARIANT_SPLIT) if self.row_block else None
+            return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
@@ -162,13 +180,15 @@ class LlamaRunner(Runner):
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if DEBUG_CHECKS and not capturing:  # a host sync (not allowed in a CUDA graph), for tests
             assert int(lengths.max()) + n <= batch.kv_bound <= cache.capacity, "kv_bound does not cover every row"
+        if self.row_block:  # SDPA takes another path for short key ranges: keep them >= KV_ROUND long
+            batch = dataclasses.replace(batch, kv_bound=min(cache.capacity, -(-batch.kv_bound // KV_ROUND) * KV_ROUND))
         mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if self.attention_backend == "sdpa" else None
         h = F.embedding(ids, self.embed)
         layers = self._fused_layers if self.fused else self._layers
         h = layers(h, positions, lengths, batch, mask)
         if not batch.need_logits:
             return None
-        return linear(h, self.lm_head).float()
+        return self._linear(h, self.lm_head).float()
 
     def _layers(self, h, positions, lengths, batch: ForwardBatch, mask):
         """PyTorch ops; returns the final-normed hidden states."""
@@ -178,15 +198,15 @@ class LlamaRunner(Runner):
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scaling, self.dtype)
         for i, w in enumerate(self.layers):
             x = self._rmsnorm(h, w["attn_norm"])
-            qkv = linear(x, w["qkv"], w["qkv_bias"])
+            qkv = self._linear(x, w["qkv"], w["qkv_bias"])
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q = rotate(q.view(b, n, hq, d), cos, sin)
             self.cache.write(i, slots, rotate(k.view(b, n, hkv, d), cos, sin), v.view(b, n, hkv, d))
             attn = self._attention(i, q, lengths, batch, mask)
-            h = h + linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
+            h = h + self._linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
             x = self._rmsnorm(h, w["mlp_norm"])
-            gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, w["down"])
+            gate, up = self._linear(x, w["gate_up"]).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, w["down"])
         return self._rmsnorm(h, self.final_norm)
 
     def _fused_layers(self, h, positions, lengths, batch: ForwardBatch, mask):
@@ -196,12 +216,12 @@ class LlamaRunner(Runner):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x, _ = add_rmsnorm(h, self.layers[0]["attn_norm"], self.eps)
         for i, w in enumerate(self.layers):
-            qkv = linear(x, w["qkv"], w["qkv_bias"])
+            qkv = self._linear(x, w["qkv"], w["qkv_bias"])
             q = rope_and_cache(qkv, positions, self.inv_freq, self.rope_scaling, self.cache.k[i], self.cache.v[i],
                                lengths, hq, hkv, d)
             attn = self._attention(i, q, lengths, batch, mask)
-            x, h = add_rmsnorm(h, w["mlp_norm"], self.eps, delta=linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
-            gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+            x, h = add_rmsnorm(h, w["mlp_norm"], self.eps, delta=self._linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
+            gate, up = self._linear(x, w["gate_up"]).chunk(2, dim=-1)
             following = self.layers[i + 1]["attn_norm"] if i + 1 < self.num_layers else self.final_norm
-            x, h = add_rmsnorm(h, following, self.eps, delta=linear(F.silu(gate) * up, w["down"]))
+            x, h = add_rmsnorm(h, following, self.eps, delta=self._linear(F.silu(gate) * up, w["down"]))
         return x

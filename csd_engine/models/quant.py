@@ -159,8 +159,18 @@ def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = No
     return QuantizedLinear(quantize_values(w, scheme, dtype or w.dtype))
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a float weight or a QuantizedLinear: the runner's one matmul call."""
-    if isinstance(weight, QuantizedLinear):
-        return weight(x, bias)
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block: int = 0) -> torch.Tensor:
+    """F.linear for a float weight or a QuantizedLinear: the runner's one matmul call.
+
+    row_block > 0: batch-invariant. The rows of x (batch x tokens) go through the matmul in
+    zero-padded blocks of exactly `row_block` rows, so every row takes the same kernel with the
+    same reduction order whatever else is in the batch (BLAS picks kernels by the row count)."""
+    apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
+        (lambda t: F.linear(t, weight, bias))
+    if not row_block:
+        return apply(x)
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    padded = torch.cat([flat, flat.new_zeros((-rows) % row_block, flat.shape[1])])
+    out = torch.cat([apply(block) for block in padded.split(row_block)])[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -53,7 +53,8 @@ class Runner:
         """Forget rows `rows` of the cache and fill them with `ids` [len(rows), n] (right-padded;
         the caller then sets each row's committed length). The other rows are not touched, so a
         request can join a batch whose other rows are mid-generation."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement prefill(rows, ids), which the engine "
+                                  "needs to start requests (see LlamaRunner.prefill)")
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         logits = self.forward(batch)

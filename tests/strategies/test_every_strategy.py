@@ -191,6 +191,9 @@ class WrongEveryThird(Runner):
     def use_rows(self, batch: int) -> None:
         self.inner.use_rows(batch)
 
+    def prefill(self, rows, ids) -> None:
+        self.inner.prefill(rows, ids)
+
     def forward(self, batch):
         logits = self.inner(batch)
         if logits is None:  # a prefill

@@ -1,0 +1,51 @@
+"""Engine(batch_invariant=True): a row's logits are bit for bit the same whatever else is in
+the batch (other rows, more of them, a wider step), so a seeded request's tokens cannot
+depend on its neighbours, also where BLAS or the attention split would pick other kernels."""
+import pytest
+import torch
+
+from csd_engine import Engine
+from csd_engine.models.runner import ForwardBatch
+from tests.tiny_models import tiny_llama
+
+HIDDEN = 512  # wide enough that BLAS treats one row and several differently
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3, hidden=HIDDEN, heads=8, kv_heads=4)
+
+
+def logits_of(runner, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of a fresh forward over `rows` [B, n] from empty caches."""
+    runner.use_rows(rows.shape[0])
+    runner.cache.reset()
+    return runner(ForwardBatch.chain(rows, runner.cache.lengths, rows.shape[1]))
+
+
+def worst_difference(runner, mine: torch.Tensor) -> float:
+    """Largest change of row `mine`'s logits between alone and inside other batches / widths."""
+    alone = logits_of(runner, mine[None])[0]
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for batch, position, extra in [(2, 1, 0), (5, 0, 0), (5, 3, 2), (8, 7, 3), (3, 2, 5)]:
+        rows = torch.randint(0, 96, (batch, mine.shape[0] + extra), generator=g)
+        rows[position, :mine.shape[0]] = mine
+        other = logits_of(runner, rows)[position, :mine.shape[0]]
+        worst = max(worst, (other - alone).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_a_rows_logits_do_not_depend_on_its_batch(model, attention):
+    engine = Engine(model, max_batch_size=8, max_seq_len=48, batch_invariant=True, attention_backend=attention)
+    mine = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(1))
+    assert worst_difference(engine.target, mine) == 0.0
+
+
+def test_generic_runner_is_refused_clearly(model):
+    with pytest.raises(ValueError, match="batch_invariant=True needs the native runner, but the target runs on "
+                                         "the generic transformers runner"):
+        Engine(model, max_batch_size=2, max_seq_len=16, native=False, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant must be True or False"):
+        Engine(model, max_batch_size=2, max_seq_len=16, batch_invariant="yes")
