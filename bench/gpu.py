@@ -380,6 +380,39 @@ def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
     return rows
 
 
+def bench_batch_invariance(models: Models) -> list[dict]:
+    """What Engine(batch_invariant=True) costs and buys: one target forward (CUDA graph) at batch
+    1 and 8, n = 1 and 5, default runner vs batch-invariant, and how far row 0's logits move
+    between batch 1 and batch 8 (0 = invariant)."""
+    sizes, device, runner = models.sizes, models.device, models.target_runner
+    context = min(512, sizes.max_seq_len // 2)
+    saved = runner.row_block, runner.attention_backend
+    rows = []
+    for mode in ("default", "invariant"):
+        if mode == "invariant":
+            runner.make_batch_invariant()
+        graphed = GraphedRunner(runner)  # switches the runner to the Triton attention
+        graphed.allocate(8, sizes.max_seq_len + 256)
+        for n in (1, 5):
+            ids = torch.randint(0, sizes.model["vocab_size"], (8, n), device=device)
+            logits = {}
+            for batch in (1, 8):
+                def forward(r=graphed, b=batch, ids=ids, n=n):
+                    r.use_rows(b)
+                    r.cache.lengths.fill_(context)
+                    return r(ForwardBatch.chain(ids[:b], r.cache.lengths, context + n))
+
+                logits[batch] = forward()[0].float()
+                rows.append(dict(mode=mode, batch=batch, n=n, context=context, graph_ms=time_ms(forward, device)))
+            moved = (logits[1] - logits[8]).abs().max().item()
+            for row in rows[-2:]:
+                row["row0_logit_change"] = moved
+            progress(f"batch invariance {mode} n={n}: {rows[-2]['graph_ms']:.2f} / {rows[-1]['graph_ms']:.2f} ms, "
+                     f"row 0 moved {moved:.3g}")
+    runner.row_block, runner.attention_backend = saved
+    return rows
+
+
 # -- 7. PEARL on one GPU: drafter and target on two streams -----------------------------------------
 def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
     """Pearl(gamma) against Speculative(k=gamma) with the same synthetic drafter, eager and with
@@ -457,7 +490,8 @@ def print_section(title: str, result, columns) -> None:
     print_table(rows, columns)
 
 
-SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "pearl", "transformers_compiled")
+SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "batch_invariance", "pearl",
+            "transformers_compiled")
 
 
 def main(argv=None):
@@ -521,6 +555,13 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("matmul_ms", "matmul", ".2f"), ("attention_ms", "attention", ".2f"),
                        ("norm_rope_ms", "norm+rope kernels", ".2f"), ("other_ms", "other", ".2f"),
                        ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
+
+    if "batch_invariance" in wanted:
+        invariance = report.run("batch_invariance", lambda: bench_batch_invariance(models))
+        print_section(f"Engine(batch_invariant=True): one {shape}-shaped target forward (CUDA graph) vs the default "
+                      "runner, and how far row 0's logits move between batch 1 and batch 8 (0: invariant)", invariance,
+                      [("mode", "mode", "s"), ("batch", "B", "d"), ("n", "n", "d"), ("context", "context", "d"),
+                       ("graph_ms", "graph ms", ".2f"), ("row0_logit_change", "row 0 change", ".2g")])
 
     ar = None
     if "autoregressive" in wanted:

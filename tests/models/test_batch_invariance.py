@@ -29,7 +29,7 @@ def worst_difference(runner, mine: torch.Tensor) -> float:
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     for batch, position, extra in [(2, 1, 0), (5, 0, 0), (5, 3, 2), (8, 7, 3), (3, 2, 5)]:
-        rows = torch.randint(0, 96, (batch, mine.shape[0] + extra), generator=g)
+        rows = torch.randint(0, 96, (batch, mine.shape[0] + extra), generator=g).to(mine.device)
         rows[position, :mine.shape[0]] = mine
         other = logits_of(runner, rows)[position, :mine.shape[0]]
         worst = max(worst, (other - alone).abs().max().item())
@@ -49,3 +49,15 @@ def test_generic_runner_is_refused_clearly(model):
         Engine(model, max_batch_size=2, max_seq_len=16, native=False, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be True or False"):
         Engine(model, max_batch_size=2, max_seq_len=16, batch_invariant="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_logits_do_not_depend_on_its_batch_on_cuda(dtype):
+    """The same on a GPU, where cuBLAS and the attention split pick kernels by batch size."""
+    model = tiny_llama(seed=3, hidden=1024, heads=8, kv_heads=4, layers=2)
+    engine = Engine(model, device="cuda", dtype=dtype, max_batch_size=8, max_seq_len=48, batch_invariant=True)
+    mine = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(1)).cuda()
+    default = Engine(model, device="cuda", dtype=dtype, max_batch_size=8, max_seq_len=48)
+    print(f"default mode, {dtype}: worst logit change {worst_difference(default.target, mine):.3g}")
+    assert worst_difference(engine.target, mine) == 0.0
