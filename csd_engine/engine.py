@@ -128,11 +128,13 @@ class Engine:
             while scheduler.has_unfinished():
                 yield from scheduler.step()
 
-    def scheduler(self, strategy=None, rows: int | None = None, max_waiting: int | None = None) -> Scheduler:
+    def scheduler(self, strategy=None, rows: int | None = None, max_waiting: int | None = None,
+                  prefill_chunk: int | None = None) -> Scheduler:
         """A continuous-batching scheduler over this engine's caches (csd_engine.scheduler):
-        add / abort requests at any time, `step` returns increments. One at a time per engine."""
+        add / abort requests at any time, `step` returns increments. One at a time per engine.
+        prefill_chunk: prompt tokens prefilled per step (None: a whole prompt when it joins)."""
         from csd_engine.strategies import Autoregressive
-        return Scheduler(self, Autoregressive() if strategy is None else strategy, rows, max_waiting)
+        return Scheduler(self, Autoregressive() if strategy is None else strategy, rows, max_waiting, prefill_chunk)
 
     def _encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

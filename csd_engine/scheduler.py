@@ -8,14 +8,16 @@
 
 The batch has `rows` slots (the engine's max_batch_size by default). Each `step` first
 admits waiting requests into free slots (a prefill of only those rows, while the other rows
-keep their caches mid-generation), then runs one step of the strategy over every slot (free
-slots masked), reads its tokens once, and returns each request's increment. A request whose
+keep their caches mid-generation; with `prefill_chunk`, a longer prompt is prefilled that many
+tokens per step while the others go on decoding), then runs one step of the strategy over every
+slot (free slots masked), reads its tokens once, and returns each request's increment. A request whose
 tokens end (stop token, stop string, length, abort, non-finite logits) leaves its slot at once.
 A request's tokens do not depend on when it arrived or what shares its batch: its row starts
 from fresh caches, with its own random counter and per-row random streams.
 
-Host reads: the step's one read (`engine.read_host`), plus one read of the decoder's plan
-in a step that admits requests (their plan rows), plus each finished request's counters.
+Host reads: the step's one read (`read_host`), plus one read of the decoder's plan in a step
+where requests start or are aborted (the live rows' plan rows), plus each finished request's
+counters.
 
 Thread safety: a scheduler holds the engine's caches, so an engine has at most one at a time
 (a second, or `generate` meanwhile, raises "busy"), and one thread drives it. Serve many
@@ -83,7 +85,7 @@ class GenerationResult:
 
 
 class QueueFull(RuntimeError):
-    """The scheduler's waiting queue is at its `max_waiting`."""
+    """`max_waiting` requests already wait beyond the free rows."""
 
 
 @dataclass
@@ -120,6 +122,8 @@ class Request:
     final_text: str | None = None
     failed_models: list = field(default_factory=list)
     sent: int = 0  # tokens already handed out in increments
+    prefilled: int = 0  # prompt tokens cached so far
+    ready: bool = False  # prompt cached: the row decodes
 
 
 def _fresh_seed() -> int:
@@ -127,13 +131,17 @@ def _fresh_seed() -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, strategy, rows: int | None = None, max_waiting: int | None = None):
+    def __init__(self, engine, strategy, rows: int | None = None, max_waiting: int | None = None,
+                 prefill_chunk: int | None = None):
         rows = engine.max_batch_size if rows is None else rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= engine.max_batch_size:
             raise ValueError(f"rows must be an int in [1, max_batch_size={engine.max_batch_size}], got {rows!r}")
         if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
                                         or max_waiting < 0):
             raise ValueError(f"max_waiting must be None (unbounded) or an int >= 0, got {max_waiting!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None (whole prompts) or an int >= 1, got {prefill_chunk!r}")
         if not hasattr(strategy, "decoder"):
             raise TypeError(f"unknown strategy {strategy!r}: pass one of csd_engine.Autoregressive, "
                             "Speculative, Cascade, Staged, Pearl")
@@ -146,7 +154,7 @@ class Scheduler:
         if not engine._busy.acquire(blocking=False):
             raise RuntimeError("the engine is busy: another generate or scheduler holds its caches (one at a "
                                "time; serve concurrent callers through csd_engine.serving.AsyncEngine)")
-        self.engine, self.decoder, self.max_waiting = engine, decoder, max_waiting
+        self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, prefill_chunk
         self.closed = False
         try:
             self.state = self._empty_state(rows)
@@ -179,8 +187,10 @@ class Scheduler:
         if params.stop and self.engine.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         ids = self.engine._encode_prompt(prompt)
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting}): retry later")
+        free = sum(r is None for r in self.slots)
+        if self.max_waiting is not None and len(self.waiting) - free >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting) - free} requests wait for a free row (max_waiting={self.max_waiting}): "
+                            "retry later")
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:
@@ -231,10 +241,10 @@ class Scheduler:
         """Admit waiting requests, run one decoding step, and return every request's increment."""
         self._check_open()
         outputs, freed = self._abort()
-        if self._admit() or freed:  # the plan rows of the occupied slots changed
-            self.plan = self._read_plan()
         self._empty_freed_rows()
-        if not any(self.slots):
+        if self._admit() | self._prefill_chunks() or freed:  # the live rows changed: their plan rows too
+            self.plan = self._read_plan()
+        if not any(self._live()):
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
@@ -253,7 +263,7 @@ class Scheduler:
         now = time.perf_counter()
         finished = []
         for row, request in enumerate(self.slots):
-            if request is None:
+            if request is None or not request.ready:
                 continue
             values = host[row]
             request.forwards = [f + a - c for f, a, c in zip(request.forwards, after, before)]
@@ -271,18 +281,27 @@ class Scheduler:
                 self._extend(request, values[1:1 + count], logprobs, now)
             if request.finish:
                 finished.append(request)
-        outputs += [self._increment(r) for r in self.slots if r is not None]
+        outputs += [self._increment(r) for r in self.slots if r is not None and r.ready]
         for request in finished:
             self._free(request)
-        occupied = [r is not None for r in self.slots]
         if finished:
-            state.active.copy_(torch.tensor(occupied, device=engine.device))  # a host-to-device copy when a row ends
-            self._update_hints()
-        if any(occupied):
-            state.max_committed = max(c for c, o in zip(self.committed, occupied) if o)
+            self._rows_changed()  # a host-to-device copy when a row ends
+        state.max_committed = max((c for c, r in zip(self.committed, self.slots) if r is not None), default=0)
+        live = self._live()
         plan_from = 1 + m + n_models + (m if out.logprobs is not None else 0)
-        self.plan = None if next_plan is None else [host[row][plan_from:] for row in range(len(host)) if occupied[row]]
+        self.plan = None if next_plan is None else [host[row][plan_from:] for row in range(len(host)) if live[row]]
         return outputs
+
+    def _live(self) -> list[bool]:
+        """Per row: a request decodes there (admitted, its prompt prefilled)."""
+        return [r is not None and r.ready for r in self.slots]
+
+    def _rows_changed(self) -> None:
+        """After rows joined or left: the device's `active` mask and the host-known summaries."""
+        self.state.active.copy_(torch.tensor(self._live(), device=self.engine.device))
+        self._update_hints()
+        occupied = [c for c, r in zip(self.committed, self.slots) if r is not None]
+        self.state.max_committed = max(occupied, default=0)
 
     def _extend(self, request: Request, tokens: list[int], logprobs, now: float) -> None:
         """Append a step's tokens to a request, ending it at a stop token, stop string or its limit."""
@@ -326,7 +345,7 @@ class Scheduler:
         if request.text is not None and request.final_text is None:
             text = ""
         metrics = self.engine._metrics(self.state.metrics, request.row, len(request.output), request.forwards,
-                                       request.done_s, request.first_token_s) if request.row >= 0 else None
+                                       request.done_s, request.first_token_s) if request.ready else None
         return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
                                 request.error, request.failed_models)
 
@@ -348,14 +367,14 @@ class Scheduler:
                 freed = True
         if self.to_abort:
             self.to_abort = []
-            occupied = [r is not None for r in self.slots]
-            self.state.active.copy_(torch.tensor(occupied, device=self.engine.device))
-            self._update_hints()
+            self._rows_changed()
         return outputs, freed
 
     # -- slots ---------------------------------------------------------------------------------
     def _admit(self) -> bool:
-        """Move waiting requests into free slots: reset their rows and prefill every model there."""
+        """Move waiting requests into free slots: reset their rows and prefill every model there
+        (a prompt longer than `prefill_chunk` only starts: `_prefill_chunks` goes on with it).
+        Returns whether a request became live."""
         free = [row for row, r in enumerate(self.slots) if r is None]
         new = []
         while free and self.waiting:
@@ -365,38 +384,83 @@ class Scheduler:
             new.append(request)
         if not new:
             return False
-        state, engine = self.state, self.engine
-        dev, rows = engine.device, len(self.slots)
+        state, dev = self.state, self.engine.device
         index = torch.tensor([r.row for r in new], device=dev)
-        block = torch.zeros(len(new), state.tokens.shape[1], dtype=torch.int64)
-        for i, r in enumerate(new):
-            block[i, :len(r.prompt)] = torch.tensor(r.prompt)
-            self.committed[r.row] = len(r.prompt) - 1  # the last prompt token is `pending`
-        state.tokens[index] = block.to(dev)
         values = lambda f, dtype: torch.tensor([f(r) for r in new], dtype=dtype, device=dev)  # noqa: E731
-        state.committed[index] = values(lambda r: len(r.prompt) - 1, torch.int64)
-        state.pending[index] = values(lambda r: r.prompt[-1], torch.int64)
         state.temperature[index] = values(lambda r: r.params.temperature, torch.float32)
         state.top_k[index] = values(lambda r: r.params.top_k, torch.int32)
         state.top_p[index] = values(lambda r: r.params.top_p, torch.float32)
         state.seed[index] = values(lambda r: _fresh_seed() if r.params.seed is None else r.params.seed, torch.int64)
+        whole = [r for r in new if self.prefill_chunk is None or len(r.prompt) - 1 <= self.prefill_chunk]
+        for r in new:
+            if r not in whole:  # a masked row holding its prompt, cached chunk by chunk
+                state.tokens[r.row, :len(r.prompt)] = torch.tensor(r.prompt, device=dev)
+                self._prefill(r.row, [], 0)
+        for lo, hi in _runs(sorted(r.row for r in whole)):
+            width = max(len(self.slots[row].prompt) for row in range(lo, hi)) - 1
+            block = torch.zeros(hi - lo, width, dtype=torch.int64)
+            for row in range(lo, hi):
+                prompt = self.slots[row].prompt[:-1]
+                block[row - lo] = prompt[0] if prompt else 0  # padding from the row's own prompt: never another
+                block[row - lo, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)  # token's NaN
+            for runner in self.engine.models():  # every prompt but its last token, right-padded
+                runner.prefill(slice(lo, hi), block.to(runner.device))
+        self._go_live(whole)
+        return bool(whole)
+
+    def _prefill_chunks(self) -> bool:
+        """Go on prefilling long prompts, `prefill_chunk` tokens in all per step (oldest first),
+        while the other rows decode; returns whether a request became live."""
+        budget = self.prefill_chunk or 0
+        done = []
+        for request in sorted((r for r in self.slots if r is not None and not r.ready), key=lambda r: r.arrival):
+            if budget <= 0:
+                break
+            start = request.prefilled
+            chunk = request.prompt[start:min(start + budget, len(request.prompt) - 1)]
+            for runner in self.engine.models():
+                runner.prefill(slice(request.row, request.row + 1), torch.tensor([chunk], device=runner.device), start)
+            self._prefill(request.row, chunk, start)
+            budget -= len(chunk)
+            if request.prefilled == len(request.prompt) - 1:
+                done.append(request)
+        self._go_live(done)
+        return bool(done)
+
+    def _prefill(self, row: int, chunk: list[int], start: int) -> None:
+        """Book a prefilled chunk of a masked row: its committed length and caches end after it."""
+        request, end = self.slots[row], start + len(chunk)
+        request.prefilled = self.committed[row] = end
+        self.state.committed[row] = end
+        self.state.max_committed = max(self.state.max_committed, end)
+        self.state.pending[row] = request.prompt[end]
+        for runner in self.engine.models():
+            runner.cache.lengths[row] = end
+
+    def _go_live(self, requests: list) -> None:
+        """The prompts of `requests` are cached: their rows start decoding from fresh counters."""
+        if not requests:
+            return
+        state, dev, rows = self.state, self.engine.device, len(self.slots)
+        index = torch.tensor([r.row for r in requests], device=dev)
+        block = torch.zeros(len(requests), state.tokens.shape[1], dtype=torch.int64)
+        for i, r in enumerate(requests):
+            block[i, :len(r.prompt)] = torch.tensor(r.prompt)
+            self.committed[r.row] = r.prefilled = len(r.prompt) - 1  # the last prompt token is `pending`
+            r.ready = True
+        state.tokens[index] = block.to(dev)
+        state.committed[index] = torch.tensor([len(r.prompt) - 1 for r in requests], device=dev)
+        state.pending[index] = torch.tensor([r.prompt[-1] for r in requests], device=dev)
         state.offset[index] = 0
         mask = torch.zeros(rows, dtype=torch.bool, device=dev)
         mask[index] = True
-        for lo, hi in _runs(sorted(r.row for r in new)):
-            width = max(len(self.slots[row].prompt) for row in range(lo, hi)) - 1
-            for runner in engine.models():  # prefill: every prompt but its last token, right-padded
-                runner.prefill(slice(lo, hi), state.tokens[lo:hi, :width].to(runner.device))
-                runner.cache.lengths[lo:hi] = state.committed[lo:hi].to(runner.device)
-        for runner in engine.models():
+        for runner in self.engine.models():
+            runner.cache.lengths[index.to(runner.device)] = state.committed[index].to(runner.device)
             runner.nonfinite_rows.masked_fill_(mask.to(runner.device), False)
         state.metrics.reset_rows(mask)
         if hasattr(self.decoder, "admit"):
             self.decoder.admit(mask)
-        state.active.copy_(torch.tensor([r is not None for r in self.slots], device=dev))
-        state.max_committed = max(c for c, r in zip(self.committed, self.slots) if r is not None)
-        self._update_hints()
-        return True
+        self._rows_changed()
 
     def _free(self, request: Request) -> None:
         """The request leaves its slot; the next step empties the row (`_empty_freed_rows`)."""
@@ -423,7 +487,7 @@ class Scheduler:
         rows = self.decoder.plan(self.state)
         if rows is None:
             return None
-        return [row for row, r in zip(read_host(rows), self.slots) if r is not None]
+        return [row for row, live in zip(read_host(rows), self._live()) if live]
 
     def _update_hints(self) -> None:
         """The host-known summaries of the occupied rows' sampling settings."""
@@ -448,6 +512,8 @@ class Scheduler:
 
 def _runs(rows: list[int]):
     """Maximal runs of consecutive row indices, as (lo, hi) half-open ranges."""
+    if not rows:
+        return
     start = prev = rows[0]
     for row in rows[1:]:
         if row != prev + 1:

@@ -130,8 +130,8 @@ class GraphedRunner(Runner):
     def use_rows(self, batch: int) -> None:
         self.runner.use_rows(batch)
 
-    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
-        self.runner.prefill(rows, ids)  # eager: a graph runs over the leading rows only
+    def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
+        self.runner.prefill(rows, ids, start)  # eager: a graph runs over the leading rows only
 
     def _forget_graphs(self) -> None:
         """Graphs hold the addresses of the cache they were captured on: a new cache (a second

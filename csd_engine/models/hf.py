@@ -60,13 +60,17 @@ class HFRunner(Runner):
         self.cache = _Lengths(batch, self.device, self.caches)
 
     @torch.inference_mode()
-    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+    def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
         for i, row in enumerate(range(*rows.indices(len(self.caches)))):
-            self.caches[row] = cache = DynamicCache(config=self.model.config)
-            self.cache.lengths[row] = 0
+            if start == 0:
+                self.caches[row] = DynamicCache(config=self.model.config)
+            cache = self.caches[row]
+            if cache.get_seq_length() > start:
+                cache.crop(start)
+            self.cache.lengths[row] = start
             if not ids.shape[1]:
                 continue
-            positions = torch.arange(ids.shape[1], device=self.device)[None, :]
+            positions = start + torch.arange(ids.shape[1], device=self.device)[None, :]
             self.model(input_ids=ids[i:i + 1].to(self.device), position_ids=positions, past_key_values=cache,
                        use_cache=True)
 

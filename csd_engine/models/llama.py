@@ -119,14 +119,14 @@ class LlamaRunner(Runner):
     def use_rows(self, batch: int) -> None:
         self.cache = self.full_cache.rows(batch)
 
-    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
+    def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
         full = self.full_cache
         view = KVCache(full.k[:, rows], full.v[:, rows], full.lengths[rows])
-        view.reset()
+        view.lengths.fill_(start)
         real, self.cache = self.cache, view
         try:
             if ids.shape[1]:
-                self(ForwardBatch.chain(ids, view.lengths, ids.shape[1], need_logits=False))
+                self(ForwardBatch.chain(ids, view.lengths, start + ids.shape[1], need_logits=False))
         finally:
             self.cache = real
 

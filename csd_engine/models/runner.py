@@ -49,10 +49,11 @@ class Runner:
         """Logits [B, n, V] float32 (None when batch.need_logits is False)."""
         raise NotImplementedError
 
-    def prefill(self, rows: slice, ids: torch.Tensor) -> None:
-        """Forget rows `rows` of the cache and fill them with `ids` [len(rows), n] (right-padded;
-        the caller then sets each row's committed length). The other rows are not touched, so a
-        request can join a batch whose other rows are mid-generation."""
+    def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
+        """Keep the first `start` slots of rows `rows` and write `ids` [len(rows), n] after them
+        (right-padded; the caller then sets each row's committed length). The other rows are not
+        touched, so a request can join a batch whose other rows are mid-generation, and a long
+        prompt can be prefilled in chunks (start > 0: the next chunk)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement prefill(rows, ids), which the engine "
                                   "needs to start requests (see LlamaRunner.prefill)")
 

@@ -237,8 +237,9 @@ def test_a_busy_engine_refuses_a_second_user_and_recovers(models):
 def test_full_queue_and_bad_requests_are_refused_clearly(models):
     engine = engine_for(models, "autoregressive", rows=1)
     with engine.scheduler(max_waiting=1) as scheduler:
-        scheduler.add([1, 2])
-        with pytest.raises(QueueFull, match="max_waiting=1"):
+        scheduler.add([1, 2])  # takes the free row at the next step
+        scheduler.add([1, 2])  # waits
+        with pytest.raises(QueueFull, match="1 requests wait for a free row .max_waiting=1."):
             scheduler.add([3, 4])
         with pytest.raises(ValueError, match="prompt has 64 tokens; max_seq_len=64"):
             scheduler.add([1] * 64)
@@ -280,3 +281,26 @@ def test_an_idle_row_beside_a_long_request_stays_short(models, name):
     with engine.scheduler(strategy) as scheduler:
         results = run_arrivals(scheduler, arrivals, IdleRowsStayShort())
     assert len(results[1].token_ids) == 50
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative-mag", "cascade2-l2", "cascade-tree", "staged",
+                                  "pearl"])
+def test_chunked_prefill_gives_the_same_tokens(models, name):
+    """prefill_chunk=4: long prompts enter over several steps while the other rows decode; every
+    request still gives its tokens alone, and the first request decodes from the first step."""
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    with engine.scheduler(strategy, prefill_chunk=4) as scheduler:
+        results = run_arrivals(scheduler, ARRIVALS, IdleRowsStayShort())
+    for i, (prompt, params, _) in enumerate(ARRIVALS):
+        expected = alone(engine, strategy, prompt, params)
+        assert results[i].token_ids == expected.token_ids, f"{name}: request {i} changed under chunked prefill"
+    with engine.scheduler(strategy, prefill_chunk=4) as scheduler:
+        short, long = scheduler.add([1, 2, 3]), scheduler.add(repetitive_prompt(2, 30))
+        first = scheduler.step()
+        assert [o.request_id for o in first] == [short], "the 30-token prompt needs 8 steps of 4 tokens"
+        for _ in range(6):
+            assert long not in [o.request_id for o in scheduler.step()]
+        assert scheduler.abort(long)
+        aborted = [o for o in scheduler.step() if o.request_id == long]
+        assert aborted[0].finish_reason == "abort" and aborted[0].result.token_ids == []
