@@ -497,6 +497,7 @@ async def _unless_disconnected(request: Request, work):
         watch.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # its clean-up (aborting its requests) runs to the end
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it
     return task.result()

@@ -1,6 +1,8 @@
 """AsyncEngine without HTTP: concurrent callers get exactly their offline tokens, a burst into free
 rows is not refused while a full queue is, and a consumer that stops reading frees its row."""
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +114,20 @@ def test_close_stops_serving_and_releases_the_engine(engine):
             await anext(async_engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
     asyncio.run(main())
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+
+
+WITHOUT_THE_SERVE_EXTRA = """
+import sys
+for name in ("fastapi", "uvicorn", "prometheus_client"):
+    sys.modules[name] = None  # as if not installed
+import csd_engine, csd_engine.serving
+from csd_engine import cli
+sys.exit(cli.main(["serve", "--target", "unused"]))
+"""
+
+
+def test_the_package_imports_without_the_serve_extra():
+    """fastapi, uvicorn and prometheus_client are imported by the server module only: without
+    them csd_engine and AsyncEngine import, and `serve` says which extra to install."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_SERVE_EXTRA], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'csd_engine[serve]'" in done.stderr, done.stderr

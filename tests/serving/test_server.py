@@ -77,6 +77,7 @@ def server(folders, tmp_path_factory):
                      "--max-batch-size", "8", "--max-waiting", "64")
     yield running
     running.close()
+    assert "Traceback" not in running.log.read_text(), running.log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -313,27 +314,37 @@ def test_metrics_count_what_was_served(server, offline):
     assert grew("vllm:prompt_tokens_total") == 1 and grew("vllm:generation_tokens_total") == 0
 
 
-def test_closing_a_stream_frees_the_row(folders, tmp_path):
-    """One row and no queue: while a long stream runs, another request is refused (429); once the
-    client closes that stream, its request is aborted and the next request is served at once."""
+def test_a_client_that_goes_away_frees_the_row(folders, tmp_path):
+    """One row and no queue: while a long stream runs, another request is refused (429). A client
+    that closes its stream, or stops waiting for a non-streamed reply, aborts its request, and the
+    next request is served at once; so does a request of n=2 refused for its second choice."""
     server = Server(tmp_path, "--target", folders[0], "--max-batch-size", "1", "--max-waiting", "0",
                     max_seq_len=4096)
+    long = {"prompt": "abc", "max_tokens": 4000, "temperature": 0}
+
+    def served_soon(http) -> None:
+        begin = time.monotonic()
+        while (served := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 429:
+            assert time.monotonic() - begin < 10, "the row was not freed"
+            time.sleep(0.02)
+        assert served.status_code == 200
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
-            long = {"prompt": "abc", "max_tokens": 4000, "temperature": 0, "stream": True}
-            with http.stream("POST", "/v1/completions", json=long) as response:
+            with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
                 assert response.status_code == 200
                 lines = response.iter_lines()  # kept: a closed iterator closes the connection
                 assert next(lines).startswith("data: ")
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert refused.status_code == 429 and "max_waiting=0" in refused.json()["error"]["message"]
-            begin = time.monotonic()
-            while (served := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 429:
-                assert time.monotonic() - begin < 10, "the closed stream's row was not freed"
-                time.sleep(0.02)
-            assert served.status_code == 200
+            served_soon(http)
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=long, timeout=0.5)
+            served_soon(http)
+            assert http.post("/v1/completions", json={**long, "n": 2}).status_code == 429
+            served_soon(http)
             counters = scrape(server.url)
-            assert counters[("vllm:request_success_total", frozenset({("finished_reason", "abort")}))] == 1
+            assert counters[("vllm:request_success_total", frozenset({("finished_reason", "abort")}))] == 3
             assert counters[("vllm:generation_tokens_total", frozenset())] < 4000
     finally:
         server.close()
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
