@@ -5,8 +5,8 @@
         print(out.text, end="")  # each RequestOutput: what one step added
 
 Thread-safety contract:
-* The engine thread is the only thread that touches the Scheduler and so the engine's caches,
-  models and tokenizer (`call` runs other engine work, such as tokenizing, there too).
+* The engine thread is the only thread that touches the Scheduler, and so the engine's caches
+  and models. `call` runs other work there between two steps (the server tokenizes that way).
 * Callers talk to it through a command queue (add, abort, call, close): every public method is
   safe from any thread, the async ones from any event loop. Increments go back to the loop that
   submitted the request (`loop.call_soon_threadsafe`), in step order.

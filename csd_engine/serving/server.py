@@ -61,7 +61,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _bad(param: str, message: str) -> APIError:
+def _bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param)
 
 
@@ -208,7 +208,8 @@ def completion_prompts(body: Body) -> list:
 
 class ServerMetrics:
     """/metrics: a registry of its own. Counters and gauges come from the engine's stats at each
-    scrape; the latency histograms are observed here, as the server hands increments out."""
+    scrape (a request's tokens and drafts count once it finishes, aborted or not); the latency
+    histograms are observed here, as the server hands increments out."""
 
     def __init__(self, async_engine, model_name: str):
         self.async_engine, self.model_name = async_engine, model_name
@@ -227,10 +228,9 @@ class ServerMetrics:
         """The engine's counters and gauges (a custom collector of the registry)."""
         stats, name = self.async_engine.stats(), [self.model_name]
 
-        def family(kind, metric, doc, value, **extra):
-            f = kind(metric, doc, labels=["model_name", *extra])
-            if not extra:
-                f.add_metric(name, value)
+        def family(kind, metric, doc, value):
+            f = kind(metric, doc, labels=["model_name"])
+            f.add_metric(name, value)
             return f
         yield family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in a row of the batch.", stats["running"])
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for a row.", stats["waiting"])
