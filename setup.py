@@ -36,7 +36,8 @@ def build_ext_class():
 
 
 setup(
-    packages=["csd_engine", "csd_engine.models", "csd_engine.strategies", "csd_engine.drafters", "csd_engine.kernels"],
+    packages=["csd_engine", "csd_engine.models", "csd_engine.strategies", "csd_engine.drafters", "csd_engine.serving",
+              "csd_engine.kernels"],
     package_dir={"csd_engine": "csd_engine", "csd_engine.kernels": "kernels"},
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},

@@ -5,6 +5,7 @@ at a raised scale so logits are spread out, no end-of-sequence token, and a draf
 the target plus a little noise, so it agrees with the target often but not always.
 """
 import copy
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -57,3 +58,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def save_pair(folder) -> tuple[str, str]:
+    """A tiny target (with the character tokenizer) and its drafter saved as model folders under
+    `folder`, for scripts that hand models to another process by path (bench/serve.py)."""
+    target = tiny_qwen2()
+    paths = Path(folder) / "tiny-target", Path(folder) / "tiny-drafter"
+    target.save_pretrained(paths[0])
+    tiny_tokenizer().save_pretrained(paths[0])
+    perturbed(target).save_pretrained(paths[1])
+    return str(paths[0]), str(paths[1])

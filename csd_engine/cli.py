@@ -1,4 +1,5 @@
-"""`csd-engine generate`: one generation from the command line.
+"""`csd-engine generate`: one generation from the command line; `csd-engine serve`: an
+OpenAI-compatible HTTP server (csd_engine/serving/server.py; needs the `serve` extra).
 
     csd-engine generate --target smollm2-135m --prompt "Write a haiku about caches" --strategy speculative --drafter mag
     csd-engine generate --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --drafter mag \
@@ -10,6 +11,11 @@ Every option of every strategy is reachable through `--strategy-config` (JSON: o
 name -> its keyword arguments; lists become tuples). The simple flags cover the common ones,
 each for the strategies that take it; a flag the chosen strategy does not take is an error.
 `--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating.
+
+    csd-engine serve --target smollm2-135m --drafter mag --strategy speculative --port 8000 \
+        --max-batch-size 8 --max-waiting 64
+
+`serve` takes the same model and strategy flags as `generate`.
 """
 import argparse
 import inspect
@@ -124,19 +130,10 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("csd_engine").setLevel(level.upper())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="csd-engine")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt")
+def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
+    """The flags `generate` and `serve` share: models, dtype, device, strategy and its options."""
     g.add_argument("--target", required=True, help="zoo name, model folder, .gguf file or hub id")
     g.add_argument("--drafter", action="append", default=[], help="drafter (repeatable, largest first); 'mag' for MaG")
-    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable for a batch)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="default: speculative when a drafter is given, else autoregressive")
     g.add_argument("--strategy-config", default=None, metavar="JSON",
@@ -153,13 +150,39 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="csd_engine's log messages on stderr (model builds, progress)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="csd-engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _model_and_strategy_flags(g)
+    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (instruct models)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                   help="csd_engine's log messages on stderr (model builds, progress)")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
+    _model_and_strategy_flags(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
+    s.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait for a row; one more is refused with 429 (default 64)")
+    s.add_argument("--model-name", default=None, help="the name clients use as `model` (default: --target)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default torch's; 1 is fastest for tiny models on a busy machine)")
     args = parser.parse_args(argv)
     _configure_logging(args.log_level)
+    if args.command == "serve":
+        return serve(args)
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -188,6 +211,42 @@ def main(argv=None) -> int:
             print(f"{prompt}{separator}{r.text if r.text is not None else r.token_ids}")
             print(f"[{type(strategy).__name__}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
                   f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def serve(args) -> int:
+    """Load the models, then serve until interrupted (Ctrl-C)."""
+    try:
+        from csd_engine.serving import AsyncEngine
+        from csd_engine.serving.server import build_app
+        import uvicorn
+    except ImportError as exc:
+        print(f"csd-engine: error: serve needs the `serve` extra ({exc.name} is missing): "
+              "pip install 'csd_engine[serve]'", file=sys.stderr)
+        return 2
+    try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        if args.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+        if not 1 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+        strategy = build_strategy(args)
+        engine = Engine(target=args.target, drafters=args.drafter, device=args.device, dtype=DTYPES[args.dtype],
+                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+        async_engine = AsyncEngine(engine, strategy, max_waiting=args.max_waiting)
+    except (ValueError, TypeError) as exc:
+        print(f"csd-engine: error: {exc}", file=sys.stderr)
+        return 2
+    name = args.model_name or args.target
+    logging.getLogger(__name__).info("serving %s (%s) on http://%s:%d", name, type(strategy).__name__, args.host,
+                                     args.port)
+    try:
+        uvicorn.run(build_app(async_engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.close()
     return 0
 
 

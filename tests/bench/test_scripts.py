@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot")
+SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve")
 
 
 def cpu_env() -> dict:
@@ -87,6 +87,19 @@ def test_tune_dry_run(tmp_path):
     run("bench/tune.py", "--dry-run", "--no-plot", "--out", str(tmp_path))
     record = only_json(tmp_path, "tune")
     assert record["auto"]["tokens_per_s"] > 0 and len(record["rows"]) == 3
+
+
+def test_serve_dry_run(tmp_path):
+    """Two strategies, each behind a server of its own: every streamed request arrives whole and
+    equals the offline scheduler's greedy output."""
+    run("bench/serve.py", "--dry-run", "--out", str(tmp_path))
+    record = only_json(tmp_path, "serve")
+    assert [row["strategy"] for row in record["rows"]] == ["autoregressive", "speculative"]
+    for row in record["rows"]:
+        assert row["errors"] == 0 and row["identical_to_offline"] == row["requests"] == 6, row
+        assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0
+        assert row["offline_tokens_per_s"] > 0 and len(row["per_request"]) == 6
+    assert record["rows"][0]["acceptance"] is None and 0 <= record["rows"][1]["acceptance"] <= 1
 
 
 def test_gpu_dry_run_on_the_cpu(tmp_path):

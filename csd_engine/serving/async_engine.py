@@ -1,0 +1,254 @@
+"""Many concurrent asyncio callers on one engine: a background thread drives its Scheduler.
+
+    async_engine = AsyncEngine(engine, Speculative(k=4), max_waiting=64)
+    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=32)):
+        print(out.text, end="")  # each RequestOutput: what one step added
+
+Thread-safety contract:
+* The engine thread is the only thread that touches the Scheduler, and so the engine's caches
+  and models. `call` runs other work there between two steps (the server tokenizes that way).
+* Callers talk to it through a command queue (add, abort, call, close): every public method is
+  safe from any thread, the async ones from any event loop. Increments go back to the loop that
+  submitted the request (`loop.call_soon_threadsafe`), in step order.
+* A consumer that stops iterating (break, `aclose`, its task cancelled on a client disconnect)
+  aborts its request: the row is freed at the next step.
+"""
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from csd_engine.scheduler import QueueFull, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (closed, or a step raised): no request can be served."""
+
+
+def _resolve(future: asyncio.Future, value=None, error: BaseException | None = None) -> None:
+    """Complete `future` unless its waiter is gone (runs on the future's loop)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class AsyncEngine:
+    """Owns one Scheduler of `engine` (`rows` slots) and the thread that steps it while requests
+    are unfinished. `max_waiting`: how many requests may wait for a row (None: no limit); one
+    more raises QueueFull. Requests that free rows take at the next step do not count, so a burst
+    into an idle engine is not refused."""
+
+    def __init__(self, engine, strategy=None, max_waiting: int | None = None, rows: int | None = None):
+        self.engine = engine
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 0):
+            raise ValueError(f"max_waiting must be None (no limit) or an int >= 0, got {max_waiting!r}")
+        self._scheduler = engine.scheduler(strategy, rows=rows)
+        self.strategy = strategy
+        self.rows, self.max_waiting = len(self._scheduler.slots), max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue); engine thread only
+        self._lock = threading.Lock()  # orders "stopped?" checks against the thread's last drain
+        self._stopped: str | None = None  # why the thread stopped
+        self._stats = {"waiting": 0, "running": 0}
+        self._prompt_tokens: dict[str, int] = {}  # request id -> prompt length; engine thread only
+        self._totals = {"finished": {}, "prompt_tokens": 0, "generation_tokens": 0, "drafts": 0,
+                        "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
+        self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
+        self._thread.start()
+
+    # -- callers' side -------------------------------------------------------------------------
+    async def generate(self, prompt, params=None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request (text or token ids) and yield its increments as steps commit them; the
+        last one has `finished` set. The first iteration raises the submission's error: ValueError
+        / TypeError for a bad prompt or params, QueueFull, EngineStopped."""
+        loop = asyncio.get_running_loop()
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        accepted, outputs = loop.create_future(), asyncio.Queue()
+        self._send(("add", prompt, params, request_id, loop, accepted, outputs))
+        await accepted  # cancelled here: _accepted aborts the request once it is added
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the next step (a no-op for an unknown or finished one)."""
+        try:
+            self._send(("abort", request_id))
+        except EngineStopped:
+            pass
+
+    async def call(self, fn):
+        """fn() run on the engine thread between two steps (tokenizing, for one); its result or
+        exception."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(("call", fn, loop, done))
+        return await done
+
+    async def encode(self, prompt) -> list[int]:
+        """The prompt's token ids, checked as `add` checks them (ValueError naming the problem:
+        empty, too long for max_seq_len, ids outside the vocabulary, no tokenizer for text)."""
+        return await self.call(lambda: self.engine._encode_prompt(prompt))
+
+    def stats(self) -> dict:
+        """Requests waiting for a row and running (as of the last step), rows, max_waiting, and
+        counters since the start over finished requests: `finished` by finish reason, the
+        prompt tokens prefilled and tokens generated, and speculation's `drafts` (target reviews
+        of at least one draft token), `draft_tokens`, `accepted_tokens` and
+        `accepted_per_position` (tokens accepted at each draft position)."""
+        with self._lock:
+            totals = {**self._totals, "finished": dict(self._totals["finished"]),
+                      "accepted_per_position": list(self._totals["accepted_per_position"])}
+        return {**self._stats, "rows": self.rows, "max_waiting": self.max_waiting, **totals}
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine thread stopped (None while it serves)."""
+        return self._stopped
+
+    def close(self, timeout: float | None = 30) -> None:
+        """Stop the thread: unfinished requests end with EngineStopped, the engine is released."""
+        try:
+            self._send(("close",))
+        except EngineStopped:
+            pass
+        self._thread.join(timeout)
+
+    def _send(self, command: tuple) -> None:
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineStopped(self._stopped)
+            self._commands.put(command)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        why = "the engine was closed"
+        try:
+            while True:
+                busy = self._scheduler.has_unfinished()
+                if not self._handle_commands(block=not busy):
+                    break
+                outputs = self._scheduler.step() if self._scheduler.has_unfinished() else []
+                self._stats = {"waiting": len(self._scheduler.waiting), "running": self._scheduler.running}
+                for out in outputs:  # after the stats, so that a caller seeing its end sees them too
+                    if out.finished:
+                        self._count(out)
+                    self._deliver(out)
+        except Exception as exc:  # a bug in a step: the scheduler's state is unknown, so stop serving
+            log.exception("the engine thread stopped")
+            why = f"the engine failed: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self._stopped = why
+        stopped = EngineStopped(why)
+        for loop, outputs in self._streams.values():
+            self._post(loop, outputs.put_nowait, stopped)
+        self._streams.clear()
+        while True:  # commands sent before _stopped was set
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._post(command[4], _resolve, command[5], None, stopped)
+            elif command[0] == "call":
+                self._post(command[2], _resolve, command[3], None, stopped)
+        self._stats = {"waiting": 0, "running": 0}
+        self._scheduler.close()
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting for one if `block`); False once asked to close."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = command[0]
+            if kind == "close":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._scheduler.abort(command[1])
+            elif kind == "call":
+                fn, loop, done = command[1:]
+                try:
+                    self._post(loop, _resolve, done, fn())
+                except Exception as exc:
+                    self._post(loop, _resolve, done, None, exc)
+
+    def _add(self, prompt, params, request_id, loop, accepted, outputs) -> None:
+        scheduler = self._scheduler
+        try:
+            waiting = len(scheduler.waiting) - (self.rows - scheduler.running)  # beyond the free rows
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting for a row (max_waiting={self.max_waiting}): "
+                                "retry later")
+            scheduler.add(prompt, params, request_id)
+        except Exception as exc:  # ValueError, TypeError, QueueFull: the caller's to handle
+            self._post(loop, _resolve, accepted, None, exc)
+            return
+        self._streams[request_id] = (loop, outputs)
+        self._prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
+        if not self._post(loop, self._accepted, accepted, request_id):
+            scheduler.abort(request_id)
+
+    def _accepted(self, accepted: asyncio.Future, request_id: str) -> None:
+        """On the caller's loop: the request is queued; a caller cancelled meanwhile aborts it."""
+        if accepted.cancelled():
+            self.abort(request_id)
+        else:
+            accepted.set_result(None)
+
+    def _count(self, out: RequestOutput) -> None:
+        """Add a finished request to the totals; its prompt counts if it was prefilled (had a row)."""
+        prompt, result = self._prompt_tokens.pop(out.request_id, 0), out.result
+        metrics = result.metrics
+        with self._lock:
+            totals = self._totals
+            totals["finished"][out.finish_reason] = totals["finished"].get(out.finish_reason, 0) + 1
+            totals["generation_tokens"] += len(result.token_ids)
+            if metrics is None:
+                return
+            totals["prompt_tokens"] += prompt
+            totals["drafts"] += metrics.drafted_per_position[0] if metrics.drafted_per_position else 0
+            totals["draft_tokens"] += metrics.drafted
+            totals["accepted_tokens"] += metrics.accepted
+            per_position = totals["accepted_per_position"]
+            per_position.extend([0] * (len(metrics.accepted_per_position) - len(per_position)))
+            for position, accepted in enumerate(metrics.accepted_per_position):
+                per_position[position] += accepted
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        if not self._post(stream[0], stream[1].put_nowait, out) and not out.finished:
+            self._scheduler.abort(out.request_id)  # its loop is closed: nobody will read it
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+        """Run fn(*args) on `loop`; False if that loop is closed."""
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:
+            return False

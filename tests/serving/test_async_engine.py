@@ -1,0 +1,133 @@
+"""AsyncEngine without HTTP: concurrent callers get exactly their offline tokens, a burst into free
+rows is not refused while a full queue is, and a consumer that stops reading frees its row."""
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from csd_engine import Engine, SamplingParams, Speculative
+from csd_engine.serving import AsyncEngine, EngineStopped, QueueFull
+from tests.tiny_models import random_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def engine():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread beats several on a busy machine
+    yield Engine(tiny_llama(seed=5), drafters=["mag"], max_batch_size=3, max_seq_len=64)
+    torch.set_num_threads(threads)
+
+
+async def collect(async_engine, prompt, params):
+    tokens, increments = [], 0
+    async for out in async_engine.generate(prompt, params):
+        tokens += out.token_ids
+        increments += 1
+    assert out.finished and out.result.token_ids == tokens
+    return tokens, out.result, increments
+
+
+def test_concurrent_requests_equal_offline_generate(engine):
+    """More requests than rows, of different lengths, submitted together: each one's increments
+    add up to the tokens offline generate gives it, and the totals count them all."""
+    prompts = random_prompts(7, seed=3)
+    params = [SamplingParams(max_new_tokens=4 + 3 * i) for i in range(7)]
+    strategy = Speculative(k=3)
+    expected = [engine.generate([p], q, strategy=strategy)[0] for p, q in zip(prompts, params)]
+    async_engine = AsyncEngine(engine, strategy)
+    try:
+        async def main():
+            return await asyncio.gather(*(collect(async_engine, p, q) for p, q in zip(prompts, params)))
+        got = asyncio.run(main())
+        assert [tokens for tokens, _, _ in got] == [e.token_ids for e in expected]
+        stats = async_engine.stats()
+        assert stats["finished"] == {"length": 7} and stats["running"] == stats["waiting"] == 0
+        assert stats["generation_tokens"] == sum(len(e.token_ids) for e in expected)
+        assert stats["prompt_tokens"] == sum(map(len, prompts))
+        assert stats["draft_tokens"] == sum(r.metrics.drafted for _, r, _ in got)
+        assert stats["accepted_tokens"] == sum(stats["accepted_per_position"]) == sum(r.metrics.accepted for _, r, _ in got)
+    finally:
+        async_engine.close()
+
+
+def test_queue_limit_counts_only_requests_without_a_free_row(engine):
+    """rows=1, max_waiting=1: the first request takes the row, the second waits, the third is
+    refused (QueueFull) and leaves nothing behind; bad requests raise at the first iteration."""
+    async_engine = AsyncEngine(engine, rows=1, max_waiting=1)
+    try:
+        async def main():
+            long = SamplingParams(max_new_tokens=40)
+            results = await asyncio.gather(*(collect(async_engine, [1, 2, 3], long) for _ in range(3)),
+                                           return_exceptions=True)
+            with pytest.raises(ValueError, match="prompt is empty"):
+                await anext(async_engine.generate([], long))
+            with pytest.raises(TypeError, match="params must be a SamplingParams"):
+                await anext(async_engine.generate([1], {"max_tokens": 3}))
+            with pytest.raises(ValueError, match="prompt is empty"):
+                await async_engine.encode([])
+            return results
+        first, second, third = asyncio.run(main())
+        assert first[0] == second[0] and len(first[0]) == 40
+        assert isinstance(third, QueueFull) and "max_waiting=1" in str(third)
+        assert async_engine.stats()["finished"] == {"length": 2}
+    finally:
+        async_engine.close()
+
+
+def test_a_consumer_that_stops_reading_frees_its_row(engine):
+    """Breaking out of the iteration, or cancelling the task reading it, aborts the request at the
+    next step: with one row, the requests queued behind run at once, and the totals count the
+    aborts (far fewer tokens than the 2 x 60 asked for)."""
+    async_engine = AsyncEngine(engine, rows=1)
+    try:
+        async def main():
+            async for _ in async_engine.generate([1, 2, 3], SamplingParams(max_new_tokens=60)):
+                break
+            first = await collect(async_engine, [6, 7], SamplingParams(max_new_tokens=5))
+            started = asyncio.Event()
+
+            async def read_until_cancelled():
+                async for _ in async_engine.generate([4, 5], SamplingParams(max_new_tokens=60)):
+                    started.set()
+            reader = asyncio.ensure_future(read_until_cancelled())
+            await started.wait()
+            reader.cancel()
+            second = await collect(async_engine, [6, 7], SamplingParams(max_new_tokens=5))
+            return first, second
+        first, second = asyncio.run(main())
+        assert first[0] == second[0] and len(first[0]) == 5
+        stats = async_engine.stats()
+        assert stats["finished"] == {"abort": 2, "length": 2} and stats["generation_tokens"] < 60
+    finally:
+        async_engine.close()
+
+
+def test_close_stops_serving_and_releases_the_engine(engine):
+    async_engine = AsyncEngine(engine)
+    async_engine.close()
+    assert async_engine.error == "the engine was closed"
+
+    async def main():
+        with pytest.raises(EngineStopped, match="closed"):
+            await anext(async_engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
+    asyncio.run(main())
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+
+
+WITHOUT_THE_SERVE_EXTRA = """
+import sys
+for name in ("fastapi", "uvicorn", "prometheus_client"):
+    sys.modules[name] = None  # as if not installed
+import csd_engine, csd_engine.serving
+from csd_engine import cli
+sys.exit(cli.main(["serve", "--target", "unused"]))
+"""
+
+
+def test_the_package_imports_without_the_serve_extra():
+    """fastapi, uvicorn and prometheus_client are imported by the server module only: without
+    them csd_engine and AsyncEngine import, and `serve` says which extra to install."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_SERVE_EXTRA], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'csd_engine[serve]'" in done.stderr, done.stderr
