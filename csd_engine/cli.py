@@ -176,6 +176,11 @@ def main(argv=None) -> int:
     s.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
     s.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait for a row; one more is refused with 429 (default 64)")
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per step, so a long prompt does not stall the streams already "
+                        "running (default: a whole prompt when it joins)")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="a request's logits never depend on what shares its batch (Engine(batch_invariant=True))")
     s.add_argument("--model-name", default=None, help="the name clients use as `model` (default: --target)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default torch's; 1 is fastest for tiny models on a busy machine)")
@@ -235,8 +240,9 @@ def serve(args) -> int:
             raise ValueError(f"--port must be in [1, 65535], got {args.port}")
         strategy = build_strategy(args)
         engine = Engine(target=args.target, drafters=args.drafter, device=args.device, dtype=DTYPES[args.dtype],
-                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-        async_engine = AsyncEngine(engine, strategy, max_waiting=args.max_waiting)
+                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                        batch_invariant=args.batch_invariant)
+        async_engine = AsyncEngine(engine, strategy, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk)
     except (ValueError, TypeError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from csd_engine.scheduler import QueueFull, RequestOutput
+from csd_engine.scheduler import QueueFull, RequestOutput  # noqa: F401  (QueueFull: what add raises)
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +43,12 @@ class AsyncEngine:
     """Owns one Scheduler of `engine` (`rows` slots) and the thread that steps it while requests
     are unfinished. `max_waiting`: how many requests may wait for a row (None: no limit); one
     more raises QueueFull. Requests that free rows take at the next step do not count, so a burst
-    into an idle engine is not refused."""
+    into an idle engine is not refused. `prefill_chunk`: prompt tokens prefilled per step."""
 
-    def __init__(self, engine, strategy=None, max_waiting: int | None = None, rows: int | None = None):
+    def __init__(self, engine, strategy=None, max_waiting: int | None = None, rows: int | None = None,
+                 prefill_chunk: int | None = None):
         self.engine = engine
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
-                                        or max_waiting < 0):
-            raise ValueError(f"max_waiting must be None (no limit) or an int >= 0, got {max_waiting!r}")
-        self._scheduler = engine.scheduler(strategy, rows=rows)
+        self._scheduler = engine.scheduler(strategy, rows=rows, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
         self.strategy = strategy
         self.rows, self.max_waiting = len(self._scheduler.slots), max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -196,11 +194,7 @@ class AsyncEngine:
     def _add(self, prompt, params, request_id, loop, accepted, outputs) -> None:
         scheduler = self._scheduler
         try:
-            waiting = len(scheduler.waiting) - (self.rows - scheduler.running)  # beyond the free rows
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFull(f"{waiting} requests are waiting for a row (max_waiting={self.max_waiting}): "
-                                "retry later")
-            scheduler.add(prompt, params, request_id)
+            scheduler.add(prompt, params, request_id)  # QueueFull past max_waiting requests beyond the free rows
         except Exception as exc:  # ValueError, TypeError, QueueFull: the caller's to handle
             self._post(loop, _resolve, accepted, None, exc)
             return
