@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (instruct models)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--stream", action="store_true", help="print the text as each step commits it (one prompt)")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     _model_and_strategy_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -191,7 +193,9 @@ def main(argv=None) -> int:
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
+        if args.stream and (len(args.prompt) > 1 or args.json):
+            raise ValueError("--stream prints one prompt's text as it comes: give one --prompt and no --json")
         strategy = build_strategy(args)
         engine = Engine(target=args.target, drafters=args.drafter, device=args.device,
                         dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt), max_seq_len=args.max_seq_len)
@@ -202,21 +206,38 @@ def main(argv=None) -> int:
             prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                             tokenize=True, return_dict=True)["input_ids"]
                        for p in args.prompt]
+        if args.stream:
+            return _stream(engine, args, prompts[0], params, strategy)
         results = engine.generate(prompts, params, strategy=strategy)
     except (ValueError, TypeError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2
     for prompt, r in zip(args.prompt, results):
-        m = r.metrics
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
-                              "finish_reason": r.finish_reason, "metrics": vars(m)}))
+                              "finish_reason": r.finish_reason, "metrics": vars(r.metrics)}))
         else:
             separator = "\n" if args.chat else ""  # a chat reply is not a continuation of the prompt
             print(f"{prompt}{separator}{r.text if r.text is not None else r.token_ids}")
-            print(f"[{type(strategy).__name__}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
-                  f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
+            _summary(strategy, r)
     return 0
+
+
+def _stream(engine, args, prompt, params, strategy) -> int:
+    """Print the prompt, then each step's text as it comes (token ids without a tokenizer)."""
+    print(args.prompt[0] + ("\n" if args.chat else ""), end="", flush=True)
+    for out in engine.stream([prompt], params, strategy=strategy):
+        print(out.text if out.text is not None else " ".join(map(str, out.token_ids)), end="", flush=True)
+        if out.finished:
+            print()
+            _summary(strategy, out.result)
+    return 0
+
+
+def _summary(strategy, r) -> None:
+    m = r.metrics
+    print(f"[{type(strategy).__name__}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tokens/s, "
+          f"mean accepted {m.mean_accepted_tokens:.2f}, finish: {r.finish_reason}", file=sys.stderr)
 
 
 def serve(args) -> int:

@@ -133,3 +133,17 @@ def test_version_and_python_m(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"csd-engine {csd_engine.__version__}"
     out = subprocess.run([sys.executable, "-m", "csd_engine", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"csd-engine {csd_engine.__version__}", out.stderr
+
+
+def test_stream_prints_the_same_text_as_generate_and_stop_cuts_it(tmp_path, capsys):
+    folder = _tiny_folder(tmp_path)
+    common = ["generate", "--target", folder, "--max-new-tokens", "12", "--max-seq-len", "64", "--prompt", "ab"]
+    assert main(common + ["--json"]) == 0
+    reference = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(common + ["--stream", "--drafter", "mag", "--strategy", "speculative"]) == 0
+    assert capsys.readouterr().out == "ab" + reference["text"] + "\n"
+    stop = reference["text"][3:5]
+    assert main(common + ["--stream", "--stop", stop]) == 0
+    assert capsys.readouterr().out == "ab" + reference["text"][:reference["text"].find(stop)] + "\n"
+    assert main(common + ["--stream", "--prompt", "cd"]) == 2
+    assert "--stream prints one prompt's text" in capsys.readouterr().err
