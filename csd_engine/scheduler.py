@@ -119,7 +119,6 @@ class Request:
     done_s: float = 0.0
     finish: str | None = None
     error: str | None = None
-    final_text: str | None = None
     failed_models: list = field(default_factory=list)
     sent: int = 0  # tokens already handed out in increments
     prefilled: int = 0  # prompt tokens cached so far
@@ -307,7 +306,6 @@ class Scheduler:
         """Append a step's tokens to a request, ending it at a stop token, stop string or its limit."""
         request.first_token_s = request.first_token_s or now - request.arrival
         request.done_s = now - request.arrival
-        checked = len(request.output)
         for i, token in enumerate(tokens):
             request.output.append(token)
             if request.logprobs is not None:
@@ -319,31 +317,29 @@ class Scheduler:
             if request.finish:
                 break
         if request.text is not None:
-            text = request.text.decode(request.output)
-            stopped = request.text.stop_at(request.output, text, checked)
-            if stopped is not None:
-                keep, text = stopped
+            text = request.text
+            text.update(request.output)
+            keep = text.stop_at(request.output)
+            if keep is None and request.finish:  # the last tokens' text, an incomplete character included
+                text.update(request.output, final=True)
+                keep = text.stop_at(request.output)
+            if keep is not None:
                 del request.output[keep:]
                 if request.logprobs is not None:
                     del request.logprobs[keep:]
                 request.finish = "stop"
-            request.final_text = text
 
     def _increment(self, request: Request) -> RequestOutput:
         """The request's output since its last increment (`request.sent` marks it)."""
         sent, request.sent = request.sent, len(request.output)
-        text = None
-        if request.text is not None:
-            text = request.text.delta(request.final_text or "", final=request.finish is not None)
+        text = None if request.text is None else request.text.delta(final=request.finish is not None)
         logprobs = None if request.logprobs is None else request.logprobs[sent:]
         done = request.finish is not None
         return RequestOutput(request.id, request.output[sent:], text, logprobs, done, request.finish,
                              self._result(request) if done else None, request.error)
 
     def _result(self, request: Request):
-        text = request.final_text if request.text is not None else None
-        if request.text is not None and request.final_text is None:
-            text = ""
+        text = None if request.text is None else request.text.text
         metrics = self.engine._metrics(self.state.metrics, request.row, len(request.output), request.forwards,
                                        request.done_s, request.first_token_s) if request.ready else None
         return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
