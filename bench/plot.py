@@ -10,6 +10,8 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
 * gpu JSON -> X-step-split.png: ms per target step split into target, drafters, verify,
   sample, MaG and other, one stacked bar per strategy and variant.
 * forward-cost JSON -> X-forward-cost.png: cost of an n-token forward relative to one token.
+* serve JSON -> X-latency.png: per strategy, tokens/s served (and offline), time to first token
+  and inter-token latency (p50 and p99).
 
 Needs matplotlib (in requirements-ci.txt); without it, says so and draws nothing.
 """
@@ -45,6 +47,8 @@ def draw(json_path) -> list[Path]:
         pictures.append(step_split(data, Path(f"{stem}-step-split.png")))
     if data.get("rows") and "native_ms" in data["rows"][0]:
         pictures.append(forward_cost(data, Path(f"{stem}-forward-cost.png")))
+    if data.get("rows") and "ttft_p50_ms" in data["rows"][0]:
+        pictures.append(serve_latency(data, Path(f"{stem}-latency.png")))
     return [p for p in pictures if p]
 
 
@@ -170,6 +174,29 @@ def forward_cost(data: dict, png: Path) -> Path:
                  f"{data.get('date', '')}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    return save(fig, png)
+
+
+def serve_latency(data: dict, png: Path) -> Path:
+    import matplotlib.pyplot as plt
+    rows = data["rows"]
+    names = [wrap(str(r["strategy"]), 28) for r in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.5))
+    panels = [("tokens/s", [("tokens_per_s", "served"), ("offline_tokens_per_s", "offline")]),
+              ("time to first token (ms)", [("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99")]),
+              ("inter-token latency (ms)", [("itl_p50_ms", "p50"), ("itl_p99_ms", "p99")])]
+    for ax, (what, series) in zip(axes, panels):
+        for i, (key, label) in enumerate(series):
+            ax.bar([p + 0.4 * i - 0.2 for p in x], [r.get(key) or 0 for r in rows], width=0.4, label=label)
+        ax.set_xticks(list(x), names, fontsize=7)
+        ax.set_title(what, fontsize=10)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    args = data.get("args", {})
+    fig.suptitle(f"served under Poisson arrivals: {args.get('requests', '?')} requests at {args.get('rate', '?')}/s, "
+                 f"{args.get('max_batch_size', '?')} rows\n{args.get('target', '?')} <- {args.get('drafter', '?')}, "
+                 f"{args.get('dtype', '?')}; {hardware_name(data)}; {data.get('date', '')}", fontsize=10)
     return save(fig, png)
 
 

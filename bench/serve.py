@@ -81,6 +81,10 @@ class Server:
                    "--log-level", "warning"]
         if args.threads or args.dry_run:
             command += ["--threads", str(args.threads or 1)]
+        if args.prefill_chunk:
+            command += ["--prefill-chunk", str(args.prefill_chunk)]
+        if args.batch_invariant:
+            command += ["--batch-invariant"]
         self.log = log
         with open(log, "w") as out:
             self.process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -184,7 +188,7 @@ def offline(engine, strategy, prompts: list[list[int]], args) -> tuple[list[list
                             seed=args.seed if args.temperature > 0 else None)
     outputs = {}
     begin = time.perf_counter()
-    with engine.scheduler(strategy) as scheduler:
+    with engine.scheduler(strategy, prefill_chunk=args.prefill_chunk) as scheduler:
         ids = [scheduler.add(p, params) for p in prompts]
         while scheduler.has_unfinished():
             outputs.update((o.request_id, o.result.token_ids) for o in scheduler.step() if o.finished)
@@ -203,6 +207,10 @@ def main(argv=None):
     ap.add_argument("--clients", type=int, default=16, help="requests in flight at most (default 16)")
     ap.add_argument("--max-batch-size", type=int, default=8, help="the server's rows (default 8)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens prefilled per step (serve --prefill-chunk; default: whole prompts)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="server and offline engine with batch_invariant=True (greedy outputs then equal offline)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, outputs compared with offline")
     ap.add_argument("--seed", type=int, default=0, help="arrival times (and sampling, at a temperature)")
     ap.add_argument("--url", default=None, help="a running server to measure instead of starting one per strategy")
@@ -231,7 +239,8 @@ def main(argv=None):
     import csd_engine
     harness.progress(f"loading {args.target} and {args.drafter} for the offline reference")
     engine = csd_engine.Engine(target, drafters=drafters, dtype=harness.DTYPES[args.dtype],
-                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                               batch_invariant=args.batch_invariant)
     rows, progress = [], harness.Progress(len(specs))
     for spec in specs:
         server = None
@@ -270,7 +279,9 @@ def main(argv=None):
                       f"{row['ttft_p50_ms'] or 0:.0f} ms, {row['errors']} errors")
 
     print(f"\n{args.target} <- {args.drafter} + MaG, {args.dtype}, {args.requests} requests x {args.max_new_tokens} "
-          f"tokens, Poisson {args.rate:g}/s, {args.clients} clients, {args.max_batch_size} rows")
+          f"tokens, Poisson {args.rate:g}/s, {args.clients} clients, {args.max_batch_size} rows"
+          + (f", prefill chunk {args.prefill_chunk}" if args.prefill_chunk else "")
+          + (", batch-invariant" if args.batch_invariant else ""))
     print_table(rows, [("strategy", "strategy", "s"), ("tokens_per_s", "tokens/s", ".1f"),
                        ("requests_per_s", "req/s", ".2f"), ("ttft_p50_ms", "TTFT p50 ms", ".0f"),
                        ("ttft_p99_ms", "TTFT p99 ms", ".0f"), ("itl_p50_ms", "ITL p50 ms", ".1f"),

@@ -35,7 +35,10 @@ from csd_engine.models.runner import ForwardBatch, Runner
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
-ROW_BLOCK = 16  # matmul rows per block in batch-invariant mode
+# Matmul rows per block in batch-invariant mode. On this CPU (Qwen 1.5B, bf16, batch 1) 16 rows
+# cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
+# cost 2.7x at 9 (bench/forward_cost.py): 16 suits verification widths, and GPUs' GEMM tiles.
+ROW_BLOCK = 16
 KV_ROUND = 64  # batch-invariant mode: SDPA's key range rounded up to a multiple of this
 INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (fixed by the capacity only)
 
@@ -148,7 +151,7 @@ class LlamaRunner(Runner):
         """A row's logits stop depending on the other rows: fixed-size row blocks through every
         matmul, and a fixed split of the KV range in the Triton attention (its default split
         follows the batch); SDPA's key range is rounded up so it never takes its short-range path.
-        Costs the padding of each matmul to a multiple of ROW_BLOCK rows."""
+        Costs the padding of each matmul to a multiple of ROW_BLOCK rows (bench/forward_cost.py)."""
         self.row_block = ROW_BLOCK
         if self.device.type == "cuda":
             self.attention_backend = "triton"  # its KV split is fixed above; SDPA's CUDA kernels choose their own
