@@ -42,6 +42,7 @@ class Setup:
     def __init__(self, args, tokenizer, target, drafter, max_seq_len: int):
         self.args, self.tokenizer, self.target, self.drafter = args, tokenizer, target, drafter
         self.max_seq_len = max_seq_len
+        self._quantized = {}
 
     def _engine(self, target, drafters) -> csd_engine.Engine:
         return csd_engine.Engine(target, drafters=drafters, dtype=harness.DTYPES[self.args.dtype], max_batch_size=1,
@@ -51,6 +52,15 @@ class Setup:
     def engine(self) -> csd_engine.Engine:
         """Target <- [drafter, MaG]; the native runners share the transformers models' weights."""
         return self._engine(self.target, [self.drafter, "mag"])
+
+    def engine_quantized(self, scheme: str) -> csd_engine.Engine:
+        """The same target runner <- [the drafter with `scheme` weights ("int8", "int4"), MaG]."""
+        from csd_engine.models.llama import LlamaRunner
+        if scheme not in self._quantized:
+            quantize = scheme + "g32" if self.args.dry_run and scheme == "int4" else scheme  # tiny: 64-wide rows
+            drafter = LlamaRunner(self.drafter, self.engine.device, harness.DTYPES[self.args.dtype], quantize=quantize)
+            self._quantized[scheme] = self._engine(self.engine.target, [drafter, "mag"])
+        return self._quantized[scheme]
 
     @cached_property
     def engine_mag(self) -> csd_engine.Engine:
@@ -101,6 +111,12 @@ METHODS = {
     "cascade-tree": ("csd_engine Cascade(same, tree={tree})",
                      lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
                                                                  mag_tokens=4, tree=tuple(json.loads(a.tree))))),
+    "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})",
+                     lambda s, a: EngineMethod(s.engine_quantized("int8"), Cascade(
+                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=4))),
+    "cascade-int4": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g})",
+                     lambda s, a: EngineMethod(s.engine_quantized("int4"), Cascade(
+                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=4))),
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
                     lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
     "cascade-auto": ("csd_engine Cascade.auto()", lambda s, a: EngineMethod(s.engine, Cascade.auto())),
