@@ -7,6 +7,7 @@
 #      faster, flip LlamaRunner's `fused` default (written in a session without a GPU).
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
+#   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -32,7 +33,7 @@ if ! TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cud
 fi
 echo "[gpu_session] build: $(( $(date +%s) - start )) s"
 python3 -c "import csd_engine.ops as o; print('[gpu_session] extension loaded:', o.HAS_EXTENSION, sorted(o._TREE_MASK_DEVICES))"
-if [ "$what" != bench ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   # tests/kernels run on CUDA tensors when a GPU is there; elsewhere only the gpu-marked tests
   # (the others build CPU models, which CI covers).
   { timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels \
@@ -40,6 +41,13 @@ if [ "$what" != bench ]; then
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels; } \
     2>&1 | tee "$OUT/pytest-gpu.log" | grep -v "^\." | tail -60
   echo "[gpu_session] tests done at $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = serve ]; then
+  timeout ${SERVE_TIMEOUT:-540} python3 -m bench.serve --synthetic --requests 32 --rate 4 --clients 16 \
+      --max-batch-size 8 --max-new-tokens 128 --out "$OUT" --strategy autoregressive --strategy speculative \
+      --strategy '{"cascade": {"k_matrix": [[4, 2], [0, 4]], "lenience": 2}}' 2>&1 | tee "$OUT/serve.log" | tail -20
+  echo "[gpu_session] total $(( $(date +%s) - start )) s"
+  exit 0
 fi
 if [ "$what" != tests ]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-300} 2>&1 | tee "$OUT/gpu.log" | grep -v '^\[' 

@@ -5,6 +5,7 @@ strategy, beside the same prompts through offline continuous batching.
     python bench/serve.py --strategy speculative --strategy '{"cascade": {"k_matrix": [[2, 4], [0, 4]]}}'
     python bench/serve.py --url http://127.0.0.1:8000 --target ...   # a server already running
     python bench/serve.py --dry-run      # tiny random models, a few requests: proves it runs, in seconds
+    python bench/serve.py --synthetic    # on a GPU: bench/gpu.py's Llama-2-7B-shaped random target
 
 For each --strategy (a name, or a JSON configuration as `serve --strategy-config` takes it) the
 script starts `python -m csd_engine serve` on a free local port with --target, --drafter and
@@ -16,6 +17,11 @@ carry tokens; a speculative step delivers several at once), and output tokens/s 
 run; from the server's /metrics, the drafts' acceptance. Then the same prompts go through
 `engine.scheduler` in this process (all queued at once, same rows): offline tokens/s, and
 whether the greedy outputs are identical. JSON: bench/results/serve-*.json.
+
+--synthetic (for a lent GPU, which has no weights and no hub): the target is bench/gpu.py's
+random bf16 Llama-2-7B-shaped model (its layers past the drafter's scaled so that they only
+nudge the residual stream), saved with a character tokenizer over its vocabulary; the drafter
+is its first layers (an early-exit spec, "folder[:2]"); prompts keep their last 64 tokens.
 """
 import argparse
 import asyncio
@@ -36,6 +42,8 @@ from bench import harness  # noqa: E402
 from bench.common import encode, load_prompts, order_by_category, print_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC_RESIDUAL_SCALE = 0.05  # bench/gpu.py's default --residual-scale
+SYNTHETIC_PROMPT_TOKENS = 64
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -181,6 +189,23 @@ def summarize(results: list[dict], seconds: float) -> dict:
             "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99)}
 
 
+def save_synthetic(folder: str, dry_run: bool) -> tuple[str, str]:
+    """bench/gpu.py's synthetic target saved under `folder` with a character tokenizer over its
+    vocabulary; returns (its folder, the drafter spec: its first layers)."""
+    import torch
+
+    from bench.gpu import DRY_RUN, Models, Sizes
+    from bench.tiny import tiny_tokenizer
+    sizes = DRY_RUN if dry_run else Sizes()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = Models(sizes, device, residual_scale=SYNTHETIC_RESIDUAL_SCALE).target
+    path = Path(folder) / "synthetic-target"
+    harness.progress(f"saving the synthetic target to {path}")
+    model.save_pretrained(path)
+    tiny_tokenizer(sizes.model["vocab_size"]).save_pretrained(path)
+    return str(path), f"{path}[:{sizes.drafter_layers}]"
+
+
 def offline(engine, strategy, prompts: list[list[int]], args) -> tuple[list[list[int]], float]:
     """The prompts through engine.scheduler, all queued at once: (outputs, seconds)."""
     from csd_engine import SamplingParams
@@ -211,6 +236,9 @@ def main(argv=None):
                     help="prompt tokens prefilled per step (serve --prefill-chunk; default: whole prompts)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="server and offline engine with batch_invariant=True (greedy outputs then equal offline)")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="bench/gpu.py's random Llama-2-7B-shaped target and its first layers as drafter (a GPU "
+                         "without weights); with --dry-run its tiny shape")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, outputs compared with offline")
     ap.add_argument("--seed", type=int, default=0, help="arrival times (and sampling, at a temperature)")
     ap.add_argument("--url", default=None, help="a running server to measure instead of starting one per strategy")
@@ -219,22 +247,26 @@ def main(argv=None):
     harness.start(args)
     specs = args.strategy or ["autoregressive", "speculative", "cascade"]
     work = tempfile.TemporaryDirectory(prefix="bench-serve-")
-    if args.dry_run:
+    if args.synthetic:
+        args.target, args.drafter = save_synthetic(work.name, args.dry_run)
+    elif args.dry_run:
         from bench.tiny import save_pair
         harness.progress("dry run: tiny random target and drafter instead of "
                          f"{args.target} and {args.drafter}")
         args.target, args.drafter = save_pair(work.name)
+    if args.dry_run:
         args.requests, args.max_new_tokens, args.rate = min(args.requests, 6), min(args.max_new_tokens, 8), 50.0
         args.max_seq_len, specs = min(args.max_seq_len, 128), specs if args.strategy else ["autoregressive",
                                                                                             "speculative"]
     if args.url:
         specs = ["(running server)"]
-    target = args.target if args.dry_run else harness.resolve_model(args.target)
-    drafters = [args.drafter if args.dry_run else harness.resolve_model(args.drafter), "mag"]
+    local = args.dry_run or args.synthetic  # model folders made here
+    target = args.target if local else harness.resolve_model(args.target)
+    drafters = [args.drafter if local else harness.resolve_model(args.drafter), "mag"]
     tokenizer = harness.load_tokenizer(target)
     prompts = order_by_category(load_prompts())
-    encoded = [encode(tokenizer, prompts[i % len(prompts)], max_tokens=48 if args.dry_run else None)
-               for i in range(args.requests)]
+    keep = 48 if args.dry_run else SYNTHETIC_PROMPT_TOKENS if args.synthetic else None
+    encoded = [encode(tokenizer, prompts[i % len(prompts)], max_tokens=keep) for i in range(args.requests)]
 
     import csd_engine
     harness.progress(f"loading {args.target} and {args.drafter} for the offline reference")
@@ -278,7 +310,9 @@ def main(argv=None):
         progress.step(f"{spec}: {row['tokens_per_s'] or 0:.1f} tokens/s served, TTFT p50 "
                       f"{row['ttft_p50_ms'] or 0:.0f} ms, {row['errors']} errors")
 
-    print(f"\n{args.target} <- {args.drafter} + MaG, {args.dtype}, {args.requests} requests x {args.max_new_tokens} "
+    pair = "synthetic Llama-2-7B-shaped target <- its first layers" if args.synthetic else \
+        f"{args.target} <- {args.drafter}"
+    print(f"\n{pair} + MaG, {args.dtype}, {args.requests} requests x {args.max_new_tokens} "
           f"tokens, Poisson {args.rate:g}/s, {args.clients} clients, {args.max_batch_size} rows"
           + (f", prefill chunk {args.prefill_chunk}" if args.prefill_chunk else "")
           + (", batch-invariant" if args.batch_invariant else ""))

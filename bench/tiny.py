@@ -47,11 +47,13 @@ def perturbed(model: torch.nn.Module, noise: float = 0.05, seed: int = 1) -> tor
     return drafter
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     """One token per character (others: <unk>), with a chat template, so prompts.json's texts
-    and chat messages encode as they do for a real model."""
+    and chat messages encode as they do for a real model. A larger `vocab_size` adds
+    placeholder tokens "<tN>" after the characters, so every id a bigger model emits decodes."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(CHARACTERS)}}
+    vocab.update({f"<t{i}>": i for i in range(VOCAB, vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()

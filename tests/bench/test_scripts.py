@@ -89,10 +89,11 @@ def test_tune_dry_run(tmp_path):
     assert record["auto"]["tokens_per_s"] > 0 and len(record["rows"]) == 3
 
 
-def test_serve_dry_run(tmp_path):
+@pytest.mark.parametrize("models", [[], ["--synthetic"]], ids=["tiny-pair", "synthetic"])
+def test_serve_dry_run(tmp_path, models):
     """Two strategies, each behind a server of its own: every streamed request arrives whole and
-    equals the offline scheduler's greedy output."""
-    run("bench/serve.py", "--dry-run", "--out", str(tmp_path))
+    equals the offline scheduler's greedy output (also with --synthetic's model, in its tiny shape)."""
+    run("bench/serve.py", "--dry-run", *models, "--out", str(tmp_path))
     record = only_json(tmp_path, "serve")
     assert [row["strategy"] for row in record["rows"]] == ["autoregressive", "speculative"]
     for row in record["rows"]:
