@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from csd_engine.scheduler import QueueFull, RequestOutput  # noqa: F401  (QueueFull: what add raises)
+from csd_engine.scheduler import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ import torch
 from csd_engine import Autoregressive, Engine, SamplingParams
 from csd_engine.scheduler import QueueFull
 from tests.strategies.common import processed_probs
-from tests.strategies.test_every_strategy import STRATEGIES, repetitive_prompt
-from tests.tiny_models import VOCAB, perturbed, random_prompts, tiny_llama
+from tests.strategies import test_every_strategy as every_strategy
+from tests.strategies.test_every_strategy import STRATEGIES, models, repetitive_prompt  # noqa: F401 (fixture)
+from tests.tiny_models import VOCAB, random_prompts, tiny_llama
 
 
 class ByteTokenizer:
@@ -36,23 +37,9 @@ class ByteTokenizer:
         return b"".join(self.pieces[t] for t in ids).decode("utf-8", errors="replace")
 
 
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_llama(seed=41)
-    return {"target": target, "d1": perturbed(target, noise=0.2, seed=42), "d2": perturbed(target, noise=0.5, seed=43)}
-
-
-_engines = {}
-
-
 def engine_for(models, name: str, rows: int = 3) -> Engine:
-    drafters = STRATEGIES[name][0]
-    key = (drafters, rows)
-    if key not in _engines:
-        _engines[key] = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
-                               max_batch_size=rows, max_seq_len=64, verify_backend="torch",
-                               tokenizer=ByteTokenizer())
-    return _engines[key]
+    """test_every_strategy's engines (same models), with the byte tokenizer and `rows` rows."""
+    return every_strategy.engine_for(models, name, batch=rows, tokenizer=ByteTokenizer())
 
 
 def alone(engine, strategy, prompt, params):

@@ -51,12 +51,13 @@ def models():
 _engines = {}
 
 
-def engine_for(models, name: str, batch: int = 8) -> Engine:
+def engine_for(models, name: str, batch: int = 8, tokenizer=None) -> Engine:
     drafters = STRATEGIES[name][0]
-    key = (drafters, batch)
+    key = (drafters, batch, type(tokenizer))
     if key not in _engines:
         _engines[key] = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
-                               max_batch_size=batch, max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
+                               max_batch_size=batch, max_seq_len=MAX_SEQ_LEN, verify_backend="torch",
+                               tokenizer=tokenizer)
     return _engines[key]
 
 
