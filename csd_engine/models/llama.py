@@ -37,7 +37,7 @@ NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # Matmul rows per block in batch-invariant mode. On this CPU (Qwen 1.5B, bf16, batch 1) 16 rows
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
-# cost 2.7x at 9 (bench/forward_cost.py): 16 suits verification widths, and GPUs' GEMM tiles.
+# cost 2.4x the default runner at 9 (bench/forward_cost.py): 16 suits verification widths, and GPUs' GEMM tiles.
 ROW_BLOCK = 16
 KV_ROUND = 64  # batch-invariant mode: SDPA's key range rounded up to a multiple of this
 INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (fixed by the capacity only)
