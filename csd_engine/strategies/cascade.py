@@ -11,11 +11,12 @@ Glossary:
   q. That is what keeps every level lossless at any temperature; the target reviews with
   l = 1, so the output follows the target exactly.
 * budget: per row and source, how many tokens the source adds (K's entry, or less: a row
-  whose next MaG match is at least `direct_match` tokens long sends MaG's tokens straight to
-  the target and skips the neural levels).
+  whose next MaG match is at least `direct_match` tokens long sends up to `direct_tokens` of
+  MaG's tokens straight to the target and skips the neural levels).
 * plan: per row, what the next step needs (how far each drafter's cache trails the committed
-  prefix, its budget of each neural source), read with the step's tokens; it fixes the
-  host-known widths and review rounds of the next step (none for a level no row uses).
+  prefix, its budget of each neural source, the draft width it may fill), read with the
+  step's tokens; it fixes the host-known widths and review rounds of the next step (none for
+  a level no row uses; the target reads no wider than the widest row needs).
 
 Tree at the top level (`tree=(b_1, b_2, ...)`): the target verifies the draft as the trunk of
 a token tree with b_d - 1 extra children at depth d: the most likely other tokens of the last
@@ -72,13 +73,15 @@ class Cascade:
     lenience >= 1 relaxes reviews by drafters (never the target's). mag_tokens: how many
     tokens MaG proposes per call. tree: candidates per depth at the top level (trunk token
     included), e.g. (3, 2); () verifies a plain chain. direct_match: a row whose next MaG match
-    is at least this long sends MaG's tokens straight to the target (0 = never)."""
+    is at least this long sends MaG's tokens straight to the target (0 = never), up to
+    direct_tokens of them (what MaG copies: a long verbatim match is verified in one forward)."""
 
     k_matrix: tuple = ((4,),)
     lenience: float = 1.0
     mag_tokens: int = 10
     tree: tuple = ()
     direct_match: int = 8
+    direct_tokens: int = 16
 
     def __post_init__(self):
         if isinstance(self.lenience, bool) or not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
@@ -87,6 +90,8 @@ class Cascade:
             raise ValueError(f"mag_tokens must be an int >= 1, got {self.mag_tokens!r}")
         if isinstance(self.direct_match, bool) or not isinstance(self.direct_match, int) or self.direct_match < 0:
             raise ValueError(f"direct_match must be an int >= 0 (0 = never), got {self.direct_match!r}")
+        if isinstance(self.direct_tokens, bool) or not isinstance(self.direct_tokens, int) or self.direct_tokens < 1:
+            raise ValueError(f"direct_tokens must be an int >= 1, got {self.direct_tokens!r}")
         rows = self.k_matrix.tolist() if isinstance(self.k_matrix, torch.Tensor) else self.k_matrix
         if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
@@ -116,7 +121,7 @@ class Cascade:
         if self.tree and max(self.tree) > models.target.vocab_size:
             raise ValueError(f"Cascade.tree={self.tree} asks for more candidates than the vocabulary has tokens")
         return CascadeDecoder(models, compile_plan(k, is_mag, self.mag_tokens), float(self.lenience),
-                              self.mag_tokens, self.tree, self.direct_match)
+                              self.mag_tokens, self.tree, self.direct_match, self.direct_tokens)
 
 
 @dataclass
@@ -130,12 +135,13 @@ class Working:
     reviews: torch.Tensor  # [B] reviews each row had this step (its random stream ids)
     lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
     rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
+    width: int  # host bound on this step's draft (the widest active row's plan)
     alt: torch.Tensor | None = None  # [B, depths, top] tree candidates per depth, -1 unknown
 
 
 class CascadeDecoder:
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
-                 direct_match: int = 0):
+                 direct_match: int = 0, direct_tokens: int = 16):
         self.models = models
         self.levels = plan
         self.sources = plan.all_sources()
@@ -147,33 +153,40 @@ class CascadeDecoder:
         self.total = sum(s.tokens for s in plan.sources)  # what K asks of the top level in all
         mag_on_top = any(s.below is None for s in plan.sources)
         self.direct_match = direct_match if mag_on_top and self.neural else 0
-        self.direct_width = max(self.max_draft, self.total)  # a direct row's MaG draft (and the buffers)
-        self.tree = tree[:self.direct_width]
+        self.direct_tokens = direct_tokens
+        # the widest draft any step may verify (buffers, random counters and cache headroom)
+        self.max_width = max(self.max_draft, direct_tokens if self.direct_match else 0)
+        self.tree = tree[:self.max_width]
         self.extra = sum(b - 1 for b in self.tree)  # tree nodes beside the trunk
-        self.max_tokens_per_forward = self.direct_width + 2 + self.extra
-        self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.direct_width + 1)} \
+        self.max_tokens_per_forward = self.max_width + 2 + self.extra
+        self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.max_width + 1)} \
             if self.tree else {}
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan_rows(self, state: DecodeState) -> torch.Tensor:
-        """[B, drafters + neural sources]: per row, how far each drafter's cache trails the
+        """[B, drafters + neural sources + 1]: per row, how far each drafter's cache trails the
         committed prefix (0 for MaG), then its budget of each neural source (a review adds at
         least one token, so that many review rounds are enough for the row; 0 when the row goes
-        direct or drafts nothing)."""
-        budgets, _ = self.budgets(state, self._direct(state))
+        direct or drafts nothing), then the widest draft it can fill (a direct row: MaG's
+        proposal length; any other: the plan's bound)."""
+        direct, width = self._direct(state)
+        budgets, _ = self.budgets(state, direct)
         neural = [budgets[s.index] for s in self.sources if s.below is not None]
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]
-        return torch.stack(lag + neural, 1)
+        return torch.stack(lag + neural + [width], 1)
 
     plan = plan_rows  # the engine calls decoder.plan(state)
 
-    def _direct(self, state: DecodeState) -> torch.Tensor:
+    def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B] bool: the row goes direct, [B] int64: the widest draft the row can fill)."""
         if not self.direct_match:
-            return torch.zeros_like(state.active)
+            return torch.zeros_like(state.active), torch.full_like(state.committed, self.max_draft)
         end = state.committed + 1
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
-        return self.mag.propose(state.tokens, end, end, 1, state.max_committed + 1).match >= self.direct_match
+        proposal = self.mag.propose(state.tokens, end, end, self.direct_tokens, state.max_committed + 1)
+        direct = proposal.match >= self.direct_match
+        return direct, torch.where(direct, proposal.length, self.max_draft)
 
     def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, torch.Tensor]:
         """Per source and row, the tokens K asks; a direct row asks nothing of its neural
@@ -183,21 +196,22 @@ class CascadeDecoder:
             if s.below is not None:
                 budgets[s.index] = torch.where(direct, 0, budgets[s.index])
             elif s in self.levels.sources:
-                budgets[s.index] = torch.where(direct, self.total, budgets[s.index])
-        cap = torch.where(direct, self.direct_width, self.mag_tokens)
+                budgets[s.index] = torch.where(direct, self.direct_tokens, budgets[s.index])
+        cap = torch.where(direct, self.direct_tokens, self.mag_tokens)
         return budgets, cap
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, state: DecodeState, plan) -> StepOutput:
-        direct = self._direct(state)  # the same flags the plan read (same committed sequence)
+        direct, _ = self._direct(state)  # the same flags the plan read (same committed sequence)
         budgets, cap = self.budgets(state, direct)
         work = self._working(state, plan, budgets, cap)
         length = self._draft(state, work, self.levels, work.base.clone(), state.active, grown=0)
-        draft = Draft(self._window(state, work.base, self.direct_width), length - work.base, work.q)
+        q = None if work.q is None else work.q[:, :work.width]
+        draft = Draft(self._window(state, work.base, work.width), (length - work.base).clamp(max=work.width), q)
         if self.tree:
             out, trunk = self._verify_tree(state, work, draft)
         else:
-            out, trunk = verify_chain(self.models, state, draft, counters=self.direct_width + 2)
+            out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
         roll_back_drafters(self.models.drafters, work.base + trunk)
         commit(state, out)
         return out
@@ -208,11 +222,12 @@ class CascadeDecoder:
         columns = [max(column) for column in zip(*plan)]  # over the active rows
         n = len(self.models.drafters)
         neural = [s.index for s in self.sources if s.below is not None]
-        rounds = dict(zip(neural, columns[n:]))
-        q = None if state.all_greedy else torch.zeros(b, self.direct_width, self.models.target.vocab_size, device=dev)
+        rounds = dict(zip(neural, columns[n:-1]))
+        width = max(1, min(columns[-1], self.max_width))
+        q = None if state.all_greedy else torch.zeros(b, self.max_width, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
         return Working(state.committed + 1, budgets, cap, q, torch.zeros(b, dtype=torch.int64, device=dev),
-                       max(columns[:n]), rounds, alt)
+                       max(columns[:n]), rounds, width, alt)
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
         """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
@@ -224,7 +239,7 @@ class CascadeDecoder:
             for _ in range(min(source.calls, work.rounds.get(source.index, source.calls))):
                 need = (length < goal) & rows
                 if source.below is None:
-                    m = self.direct_width if level is self.levels else self.mag_tokens
+                    m = work.width if level is self.levels else self.mag_tokens
                     length = self._mag_append(state, work, length, need, m, level is self.levels)
                     grown += m
                 else:
@@ -235,7 +250,7 @@ class CascadeDecoder:
 
     def _mag_append(self, state, work: Working, length, need, m: int, top: bool):
         """MaG proposes up to m tokens after each row's working sequence (one-hot q); a row keeps
-        at most its cap (mag_tokens, or a direct row's whole draft)."""
+        at most its cap (mag_tokens, or a direct row's direct_tokens)."""
         proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
         keep = proposal.length.clamp(max=work.mag_cap if top else self.mag_tokens) * need
         col = torch.arange(m, device=length.device)[None, :]
@@ -255,7 +270,7 @@ class CascadeDecoder:
         fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
         cols = feed_from[:, None] + torch.arange(fed, device=dev)[None, :]
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
-        bound = min(state.max_committed + 1 + self.direct_width + fed, self.models.capacity)
+        bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
         logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
         model.cache.advance((sub_len - feed_from).clamp(min=0))
         rel = ((mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]).clamp(0, fed - 1)
@@ -355,5 +370,5 @@ class CascadeDecoder:
             q = one_hot(tokens, draft.q.shape[2])  # siblings (and the unused root)
             q[:, trunk] = draft.q
         out, path = verify_tree_and_commit(self.models, state, tokens, tree, q, drafted=draft.length)
-        state.offset += self.direct_width + 1 - width  # as the chain step: direct_width + 2 counters in all
+        state.offset += self.max_width + 1 - width  # as the chain step: max_width + 2 counters in all
         return out, (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk

@@ -15,7 +15,7 @@ c_model: the model's forward cost relative to the target's, from parameter count
 `model_cost` gives it. a = 0 runs no neural forward (plain decoding where MaG matches
 nothing): chosen once the target accepts too little for the model to pay. Nothing here is
 timed: a seeded request gives the same tokens whatever shares its batch and however often
-it runs. Rows with a long MaG match go direct (Cascade.direct_match).
+it runs. Rows with a long MaG match go direct (Cascade.direct_match, direct_tokens).
 """
 from dataclasses import dataclass
 
@@ -32,12 +32,13 @@ class AutoCascade:
     lenience: float = 2.0
     mag_tokens: int = 4
     direct_match: int = 8
+    direct_tokens: int = 16
     width_cost: float = 0.02  # extra cost of one more token in a forward, relative to a one-token forward
     prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
 
     def __post_init__(self):
-        for name in ("max_tokens", "mag_tokens"):
+        for name in ("max_tokens", "mag_tokens", "direct_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Cascade.auto({name}=...) must be an int >= 1, got {value!r}")
@@ -59,12 +60,14 @@ class AutoCascade:
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
             cost = models.drafters[0].num_params / models.target.num_params
-        return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self, cost or 0.0)
+        return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
+                                  self, cost or 0.0)
 
 
 class AutoCascadeDecoder(CascadeDecoder):
-    def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, config: AutoCascade, model_cost: float):
-        super().__init__(models, plan, lenience, mag_tokens, tree, direct_match)
+    def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
+                 model_cost: float):
+        super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
         self.config, self.model_cost = config, model_cost
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)

@@ -55,3 +55,24 @@ def test_cli_chat_generation_with_the_tuned_cascade_equals_plain_greedy(smollm2,
         [ids], SamplingParams(max_new_tokens=12))[0]
     assert out["token_ids"] == reference.token_ids and out["text"] == reference.text
     assert "Paris" in out["text"]
+
+
+@pytest.mark.slow
+def test_direct_rows_verify_long_verbatim_copies_in_a_ragged_batch(smollm2):
+    """A row whose MaG match is long sends up to direct_tokens MaG tokens (wider than K's plan
+    allows a neural draft) straight to the target; the other row of the batch drafts through
+    the cascade. Both stay plain greedy decoding, and the wide draft gets accepted."""
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    sentence = " The old lighthouse keeper counted the ships that passed the rocky point every night."
+    prompts = [tok("Repeat the sentence." + sentence * 3)["input_ids"], tok(PROMPTS[2])["input_ids"]]
+    engine = Engine(smollm2, drafters=[smollm2 + "[:12]", "mag"], max_batch_size=2, max_seq_len=256,
+                    verify_backend="torch")
+    strategy = Cascade(k_matrix=[[1, 2], [0, 2]], lenience=2, mag_tokens=2, direct_match=4, direct_tokens=12)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = engine.generate(prompts, params, strategy=Autoregressive())
+    fast = engine.generate(prompts, params, strategy=strategy)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
+    neural_bound = strategy.decoder(engine._decoder_models()).max_draft
+    assert neural_bound < 12 and sum(fast[0].metrics.accepted_per_position[neural_bound:]) > 0, \
+        fast[0].metrics.accepted_per_position
+    assert fast[1].metrics.drafter_forwards[0] > 0  # the other row went through the 0.5B-like level

@@ -44,7 +44,8 @@ def test_greedy_fuzz_random_k_lenience_batch_and_prompts(models):
         levels = rng.choice([2, 3])
         backend = "triton" if trial < 2 else "torch"
         k = random_k_matrix(rng, levels, last_is_mag=True)
-        strategy = Cascade(k_matrix=k, lenience=rng.choice([1, 1.5, 3, 8]), mag_tokens=rng.randint(1, 5))
+        strategy = Cascade(k_matrix=k, lenience=rng.choice([1, 1.5, 3, 8]), mag_tokens=rng.randint(1, 5),
+                           direct_match=rng.choice([0, 2, 4, 8]), direct_tokens=rng.randint(1, 12))
         prompts = random_prompts(rng.randint(1, 4), lo=1, hi=16, seed=rng.randrange(10**6))
         prompts[0] = prompts[0][:2] * 5  # repetition: MaG's drafts get accepted too
         out = assert_greedy_equals_autoregressive(engines[levels, backend], prompts, strategy, max_new_tokens=16)
@@ -116,7 +117,8 @@ def test_auto_is_lossless(models):
     prompts = random_prompts(3, lo=2, hi=10, seed=int(torch.randint(0, 10**6, (1,))))
     prompts[1] = prompts[1][:2] * 6
     out = assert_greedy_equals_autoregressive(engine, prompts, Cascade.auto(max_tokens=4), max_new_tokens=60)
-    assert out[0].metrics.mean_accepted_tokens > 1.0
+    # it speculates (a row may rightly choose plain decoding: its drafts were rejected and MaG matched nothing)
+    assert max(o.metrics.mean_accepted_tokens for o in out) > 1.0
     assert_samples_follow_target(Engine(target, drafters=[d1, "mag"], max_batch_size=1500, max_seq_len=32,
                                         verify_backend="torch"),
                                  target, [4, 9, 4, 9], Cascade.auto(), temperature=1.0, draws=1500)
