@@ -54,11 +54,14 @@ class Setup:
         return self._engine(self.target, [self.drafter, "mag"])
 
     def engine_quantized(self, scheme: str) -> csd_engine.Engine:
-        """The same target runner <- [the drafter with `scheme` weights ("int8", "int4"), MaG]."""
+        """The same target runner <- [the drafter with `scheme` weights ("int8", "int4"), MaG], built as
+        the engine builds a quantized drafter (dense copies for wide calls)."""
         from csd_engine.models.llama import LlamaRunner
+        from csd_engine.models.quant import DRAFTER_DENSE_ROWS
         if scheme not in self._quantized:
             quantize = scheme + "g32" if self.args.dry_run and scheme == "int4" else scheme  # tiny: 64-wide rows
-            drafter = LlamaRunner(self.drafter, self.engine.device, harness.DTYPES[self.args.dtype], quantize=quantize)
+            drafter = LlamaRunner(self.drafter, self.engine.device, harness.DTYPES[self.args.dtype], quantize=quantize,
+                                  dense_rows=DRAFTER_DENSE_ROWS)
             self._quantized[scheme] = self._engine(self.engine.target, [drafter, "mag"])
         return self._quantized[scheme]
 

@@ -31,6 +31,7 @@ from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
 from csd_engine.models.loader import load_runner  # noqa: E402
+from csd_engine.models.quant import DRAFTER_DENSE_ROWS  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
@@ -108,7 +109,8 @@ def main(argv=None):
     for spec in filter(None, args.drafters.split(",")):
         for dtype_name in args.dtypes.split(","):
             harness.progress(f"loading drafter {spec} ({dtype_name})")
-            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True)
+            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True,
+                                    dense_rows=DRAFTER_DENSE_ROWS)  # as the engine builds a drafter
             prefix = torch.randint(0, runner.vocab_size, (1, args.context))
             runner.allocate(1, args.context + max(ns) + 8)
             runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))

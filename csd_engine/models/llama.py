@@ -15,6 +15,8 @@ interpreter; it becomes the CUDA default once a GPU session has run its tests an
 projections and the lm_head as weight-only quantized matrices on torch's packed-weight matmuls;
 the embedding stays float (a lookup reads a few rows). The head is a quarter of the 0.5B Qwen's
 weights: quantizing it too took its int4 one-token forward from 39 to 24 ms (CPU, one thread).
+`dense_rows=R` also keeps each quantized matrix dequantized, for calls of more than R rows
+(quant.py, "Wide calls"; the engine sets it for quantized drafters).
 Both paths call every matrix through `linear`. `truncated(L)` is an
 early-exit drafter: a view running the first L layers, then the model's own final norm and head,
 sharing every weight tensor and owning a cache of its own.
@@ -45,7 +47,7 @@ INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (f
 
 class LlamaRunner(Runner):
     def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa",
-                 fused: bool = False, quantize: str | None = None):
+                 fused: bool = False, quantize: str | None = None, dense_rows: int = 0):
         cfg = hf_model.config
         if quantize is not None:
             parse_scheme(quantize)
@@ -87,7 +89,7 @@ class LlamaRunner(Runner):
             if quantize is None:
                 return torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             try:
-                return quantize_weight(torch.cat([sd[n].to(self.device) for n in names]), quantize, dtype)
+                return quantize_weight(torch.cat([sd[n].to(self.device) for n in names]), quantize, dtype, dense_rows)
             except ValueError as exc:
                 raise ValueError(f"cannot quantize {' + '.join(names)}: {exc}") from None
 

@@ -103,11 +103,12 @@ def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
                 attention_backend: str = "sdpa", fused: bool = False,
-                quantize: str | None = None) -> tuple[Runner, object]:
+                quantize: str | None = None, dense_rows: int = 0) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
     supports the architecture; True demands it; False forces the generic runner. `fused`:
     the native runner's fused Triton norm / RoPE kernels (ignored by the generic runner).
-    `quantize`: "int8", "int4" or "int4gG" weights (native runner only), as a `:int4` suffix does.
+    `quantize`: "int8", "int4" or "int4gG" weights (native runner only), as a `:int4` suffix does;
+    `dense_rows`: quantized matrices also kept dense for calls of more rows (models/quant.py).
     A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in is
     returned as it is."""
     if quantize is not None:
@@ -132,7 +133,8 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     if native is True and model_type not in NATIVE_MODEL_TYPES:
         raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}")
     if native is not False and model_type in NATIVE_MODEL_TYPES:
-        runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused, quantize=quantize)
+        runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused, quantize=quantize,
+                             dense_rows=dense_rows)
         runner = runner if layers is None else runner.truncated(layers)
     elif quantize is not None or layers is not None:
         raise ValueError(f"quantized weights and early exits ([:L]) need the native runner, which supports "

@@ -24,6 +24,17 @@ What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/nati
        only, inner_k_tiles in {2, 4, 8} with K % (16 inner_k_tiles) == 0 (the largest is used), N % 8 == 0
   All: x 2-D and contiguous (`QuantizedLinear` flattens the leading dims). fp32 activations work on
   the CPU but are several times slower than bf16 at decode sizes: quantization is for bf16 models.
+
+Wide calls: the CPU ops handle one row after another, so their time grows with the rows while a
+dense bf16 matmul's stays flat up to ~16 (one Qwen 0.5B MLP matrix, 2 cores: int4 0.07 ms at 1 row,
+0.32 at 9, 24 at 900; bf16 0.23, 0.24, 8.6). `dense_rows=R` keeps the dequantized weight in the
+activation dtype as well and sends calls of more than R rows through it (prefill, a drafter
+catching up, wide reviews): fast at every width for 1.25x (int4) or 1.5x (int8) the bf16 bytes.
+A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 8): 1 token 55 / 16 / 15,
+9 tokens 66 / 47 / 62, 17 tokens 76 / 73 / 75, 64 tokens 159 / 235 / 153, 900 tokens
+2750 / 3875 / 1978: the crossover of the whole model is near 16 rows.
+Its rounding differs from the op's, so a quantized target never uses it (its output is the
+quantized model's); drafters do (DRAFTER_DENSE_ROWS).
 """
 from dataclasses import dataclass
 
@@ -34,6 +45,7 @@ DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
 SCHEMES = ("int8", "int4") + tuple(f"int4g{g}" for g in INT4_GROUPS)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DRAFTER_DENSE_ROWS = 16  # where the int4 op falls behind bf16 for a whole Qwen 0.5B forward on the CPU
 
 
 def parse_scheme(scheme: str) -> tuple[int, int | None]:
@@ -117,10 +129,12 @@ def dequantize(values: QuantizedValues) -> torch.Tensor:
 class QuantizedLinear:
     """An [N, K] weight packed for torch's weight-only matmul; call it as F.linear(x, w, bias)."""
 
-    def __init__(self, values: QuantizedValues):
+    def __init__(self, values: QuantizedValues, dense_rows: int = 0):
         n, k = values.q.shape
         self.shape, self.bits, self.group, self.dtype = (n, k), values.bits, values.group, values.dtype
         self.device = values.q.device
+        self.dense_rows = dense_rows
+        self.dense = dequantize(values).to(values.dtype) if dense_rows else None  # for calls of more rows
         aten = torch.ops.aten
         if values.bits == 8:
             self.packed = values.q.to(torch.int8).contiguous()
@@ -137,14 +151,16 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales.nbytes
+        return self.packed.nbytes + self.scales.nbytes + (self.dense.nbytes if self.dense is not None else 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise ValueError(f"this weight was quantized for {self.dtype} activations, got {x.dtype}")
         flat = x.reshape(-1, self.shape[1]).contiguous()
         aten = torch.ops.aten
-        if self.bits == 8:
+        if self.dense is not None and flat.shape[0] > self.dense_rows:
+            y = F.linear(flat, self.dense)
+        elif self.bits == 8:
             y = aten._weight_int8pack_mm(flat, self.packed, self.scales)
         elif self.device.type == "cuda":
             y = aten._weight_int4pack_mm(flat, self.packed, self.group, self.scales)
@@ -154,9 +170,11 @@ class QuantizedLinear:
         return y if bias is None else y + bias
 
 
-def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = None) -> QuantizedLinear:
-    """Quantize an [N, K] weight for activations of `dtype` (default: w's dtype)."""
-    return QuantizedLinear(quantize_values(w, scheme, dtype or w.dtype))
+def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = None,
+                    dense_rows: int = 0) -> QuantizedLinear:
+    """Quantize an [N, K] weight for activations of `dtype` (default: w's dtype); dense_rows:
+    see "Wide calls" above (0: packed only)."""
+    return QuantizedLinear(quantize_values(w, scheme, dtype or w.dtype), dense_rows)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block: int = 0) -> torch.Tensor:

@@ -79,7 +79,9 @@ def test_packed_matmul_equals_linear_on_the_dequantized_weight(scheme):
     exact = F.linear(x.double(), w_hat, bias.double())
     gamma = k * UNIT_ROUNDOFF[torch.float32] / (1 - k * UNIT_ROUNDOFF[torch.float32])
     bound = gamma * (x.double().abs() @ w_hat.abs().t() + bias.double().abs()) + 1e-12
-    for ours in (linear(x, layer, bias), F.linear(x, w_hat.float(), bias)):
+    dense = QuantizedLinear(values, dense_rows=6)  # 10 rows: the dense copy; 5 rows: the packed op
+    for ours in (linear(x, layer, bias), F.linear(x, w_hat.float(), bias), linear(x, dense, bias),
+                 torch.cat([linear(x[:1], dense, bias), linear(x[1:], dense, bias)])):
         assert ours.shape == (2, 5, n)
         assert ((ours.double() - exact).abs() <= bound).all()
 
@@ -161,6 +163,23 @@ def test_graphed_quantized_runner_matches_the_eager_one():
         runner.cache.advance(torch.tensor([6, 4]))  # ragged rows
         outs.append(runner(ForwardBatch.chain(nxt, runner.cache.lengths, 9)))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_keeps_dense_copies_for_a_quantized_drafters_wide_calls_only(tmp_path):
+    """A quantized drafter built by the Engine sends calls of more than DRAFTER_DENSE_ROWS rows
+    (here: the prompts' prefill) through dense copies and stays lossless; a quantized target
+    never does (its output is exactly the quantized model's)."""
+    from csd_engine.models.quant import DRAFTER_DENSE_ROWS
+    model = tiny_llama(seed=12)
+    model.save_pretrained(tmp_path / "tiny")
+    engine = Engine(target=model, drafters=[f"{tmp_path / 'tiny'}:int4g32"], max_batch_size=3, max_seq_len=96)
+    qkv = engine.drafters[0].layers[0]["qkv"]
+    assert qkv.dense_rows == DRAFTER_DENSE_ROWS and qkv.dense is not None
+    prompts = [p * 4 for p in random_prompts(3, lo=8, hi=12, seed=14)]  # > 16 tokens: a dense prefill
+    out = assert_greedy_equals_autoregressive(engine, prompts, Speculative(k=3))
+    assert sum(r.metrics.accepted for r in out) > 0
+    target = Engine(target=f"{tmp_path / 'tiny'}:int4g32", max_batch_size=1, max_seq_len=32).target
+    assert target.layers[0]["qkv"].dense is None
 
 
 def test_spec_suffix_loads_a_quantized_runner(tmp_path):
