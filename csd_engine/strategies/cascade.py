@@ -150,7 +150,6 @@ class CascadeDecoder:
         self.lenience = lenience
         self.mag_tokens = mag_tokens
         self.max_draft = plan.max_growth
-        self.total = sum(s.tokens for s in plan.sources)  # what K asks of the top level in all
         mag_on_top = any(s.below is None for s in plan.sources)
         self.direct_match = direct_match if mag_on_top and self.neural else 0
         self.direct_tokens = direct_tokens
@@ -190,13 +189,14 @@ class CascadeDecoder:
 
     def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, torch.Tensor]:
         """Per source and row, the tokens K asks; a direct row asks nothing of its neural
-        sources and lets MaG fill the whole draft (its MaG cap)."""
+        sources and one MaG call at the top, whose proposal (up to its cap, direct_tokens) is the
+        whole draft: the same tokens the plan measured, however wide the step."""
         budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
         for s in self.sources:
             if s.below is not None:
                 budgets[s.index] = torch.where(direct, 0, budgets[s.index])
             elif s in self.levels.sources:
-                budgets[s.index] = torch.where(direct, self.direct_tokens, budgets[s.index])
+                budgets[s.index] = torch.where(direct, 1, budgets[s.index])
         cap = torch.where(direct, self.direct_tokens, self.mag_tokens)
         return budgets, cap
 

@@ -36,8 +36,9 @@ STRATEGIES = {
     "cascade3-l2": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=2,
                                                  mag_tokens=2)),
     "cascade-tree": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2, tree=(3, 2))),
-    # rows whose MaG match is >= 3 tokens send up to 6 MaG tokens (more than K's plan) straight to the target
-    "cascade-direct": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2, direct_match=3,
+    # rows whose MaG match is >= 3 tokens send up to 6 MaG tokens (more than K's plan) straight to the target;
+    # K's top-level MaG entry takes 3 calls of 1 token, a direct row takes one call
+    "cascade-direct": (("d1", "mag"), Cascade(k_matrix=[[2, 3], [0, 2]], lenience=2, mag_tokens=1, direct_match=3,
                                               direct_tokens=6)),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
