@@ -79,6 +79,9 @@ def main(argv=None):
     ap.add_argument("--ns", default="1,2,3,5,9,17", help="new tokens per forward")
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
     ap.add_argument("--drafters", default="", help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20]")
+    ap.add_argument("--packed-only", action="store_true",
+                    help="quantized drafters without the engine's dense copies for wide calls (the packed op at every "
+                         "width; models/quant.py)")
     args = ap.parse_args(argv)
     harness.start(args)
     if args.dry_run:
@@ -109,8 +112,8 @@ def main(argv=None):
     for spec in filter(None, args.drafters.split(",")):
         for dtype_name in args.dtypes.split(","):
             harness.progress(f"loading drafter {spec} ({dtype_name})")
-            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True,
-                                    dense_rows=DRAFTER_DENSE_ROWS)  # as the engine builds a drafter
+            dense_rows = 0 if args.packed_only else DRAFTER_DENSE_ROWS  # default: as the engine builds a drafter
+            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True, dense_rows=dense_rows)
             prefix = torch.randint(0, runner.vocab_size, (1, args.context))
             runner.allocate(1, args.context + max(ns) + 8)
             runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))

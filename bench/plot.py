@@ -163,7 +163,7 @@ def forward_cost(data: dict, png: Path) -> Path:
     labels = data.get("paths", {})
     for model, dtype in dict.fromkeys((r["model"], r["dtype"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["dtype"]) == (model, dtype)]
-        for path in paths:
+        for path in (p for p in paths if f"{p}_vs_1" in mine[0]):  # a drafter row has the native path only
             ax.plot([r["n"] for r in mine], [r[f"{path}_vs_1"] for r in mine], marker="o",
                     label=f"{model} {dtype} {labels.get(path, path)}")
     ax.set_xticks(sorted({r["n"] for r in rows}))

@@ -26,13 +26,12 @@ What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/nati
   the CPU but are several times slower than bf16 at decode sizes: quantization is for bf16 models.
 
 Wide calls: the CPU ops handle one row after another, so their time grows with the rows while a
-dense bf16 matmul's stays flat up to ~16 (one Qwen 0.5B MLP matrix, 2 cores: int4 0.07 ms at 1 row,
-0.32 at 9, 24 at 900; bf16 0.23, 0.24, 8.6). `dense_rows=R` keeps the dequantized weight in the
+dense bf16 matmul's stays nearly flat up to ~16 rows. `dense_rows=R` keeps the dequantized weight in the
 activation dtype as well and sends calls of more than R rows through it (prefill, a drafter
 catching up, wide reviews): fast at every width for 1.25x (int4) or 1.5x (int8) the bf16 bytes.
-A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 8): 1 token 55 / 16 / 15,
-9 tokens 66 / 47 / 62, 17 tokens 76 / 73 / 75, 64 tokens 159 / 235 / 153, 900 tokens
-2750 / 3875 / 1978: the crossover of the whole model is near 16 rows.
+A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 16; bench/forward_cost.py,
+README): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64 tokens
+137 / 223 / 129, 900 tokens 1852 / 3451 / 1866: the crossover of the whole model is near 16 rows.
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
 quantized model's); drafters do (DRAFTER_DENSE_ROWS).
 """
