@@ -60,8 +60,8 @@ def test_cli_chat_generation_with_the_tuned_cascade_equals_plain_greedy(smollm2,
 @pytest.mark.slow
 def test_direct_rows_verify_long_verbatim_copies_in_a_ragged_batch(smollm2):
     """A row whose MaG match is long sends up to direct_tokens MaG tokens (wider than K's plan
-    allows a neural draft) straight to the target; the other row of the batch drafts through
-    the cascade. Both stay plain greedy decoding, and the wide draft gets accepted."""
+    allows a neural draft) straight to the target beside a row of ordinary text. Both stay
+    plain greedy decoding, and the wide draft gets accepted."""
     tok = AutoTokenizer.from_pretrained(smollm2)
     sentence = " The old lighthouse keeper counted the ships that passed the rocky point every night."
     prompts = [tok("Repeat the sentence." + sentence * 3)["input_ids"], tok(PROMPTS[2])["input_ids"]]
@@ -75,4 +75,3 @@ def test_direct_rows_verify_long_verbatim_copies_in_a_ragged_batch(smollm2):
     neural_bound = strategy.decoder(engine._decoder_models()).max_draft
     assert neural_bound < 12 and sum(fast[0].metrics.accepted_per_position[neural_bound:]) > 0, \
         fast[0].metrics.accepted_per_position
-    assert fast[1].metrics.drafter_forwards[0] > 0  # the other row went through the 0.5B-like level
