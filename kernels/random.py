@@ -73,7 +73,7 @@ def stream_seed(seed: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     if isinstance(stream, int):
         if stream == 0:
             return seed
-        stream = torch.tensor(stream)
+        stream = torch.full_like(seed, stream, dtype=torch.int64)  # made on seed's device: no copy, no sync
     s = torch.as_tensor(seed, dtype=torch.int64) & MASK32
     mixed = _mix32_ref(s ^ _mix32_ref((stream.to(device=s.device, dtype=torch.int64) * 0x632BE5AB) & MASK32))
     return torch.where(stream.to(s.device) == 0, seed, mixed)

@@ -9,17 +9,15 @@ Glossary, per batch row b of a token buffer `tokens` [B, C]:
   the search is repeated on the query extended by the copy `copy_passes - 1` more times;
 * bigram fill: the chain `next = bigram[prev]` continues the proposal while
   `bigram_prob[prev] >= min_bigram_prob`; without a table nothing is filled.
-Everything is fixed-shape tensor work (no host read, no data-dependent control flow), so a
-speculative step that calls `propose` can be captured in one CUDA graph. Cost per pass:
-`max_match` compares over [B, search_bound]; on one shared CPU core a call takes ~0.6 ms at
-B=1 (C=2304 or 16384) and ~1 ms at B=8, C=2304, ~2-7 ms at B=8, C=16384.
+The search itself is kernels/mag.py: one Triton launch on a GPU, its PyTorch reference on a
+CPU. Both are fixed-shape work with no host read, so a speculative step that calls `propose`
+can be captured in one CUDA graph.
 """
 from dataclasses import dataclass
 
 import torch
 
-TOKEN_PAD = -1  # stands before the buffer: no query token equals it
-QUERY_PAD = -2  # stands before the query: no buffer token equals it
+from csd_engine.kernels.mag import mag_propose, mag_propose_ref
 
 
 @dataclass
@@ -106,81 +104,10 @@ class MaG:
         if self.bigram is not None and self.bigram.device != tokens.device:
             raise ValueError(f"the bigram table is on {self.bigram.device}, tokens on {tokens.device}: call MaG.to")
         bound = capacity if search_bound is None else min(search_bound, capacity)
-
-        end = end.clamp(0, capacity)
-        history_end = torch.minimum(history_end.clamp(min=0), end)
-        space = (history_end - 1).clamp(0, bound)  # [B] searched positions
-        # [B, bound + max_match - 1]: the searched tokens after a pad, so that a match ending
-        # at position p reads padded[:, p + max_match - 1 - j] for its j-th token from the end.
-        padded = torch.cat([tokens.new_full((batch, self.max_match - 1), TOKEN_PAD), tokens[:, :bound]], 1)
-        columns = torch.arange(m, device=tokens.device)  # [m]
-        proposal = tokens.new_zeros(batch, m)
-        count = torch.zeros_like(end)  # [B] tokens proposed so far
-        match = torch.zeros_like(end)
-        for search in range(self.copy_passes if bound > 0 else 0):
-            window = self._query_window(tokens, end, proposal, count)  # [B, max_match]
-            length, position = self._longest_match(padded, window, space)
-            found = (length >= self.min_match) & (count < m)
-            copied = torch.where(found, torch.minimum(m - count, history_end - 1 - position), 0)
-            source = (position + 1 - count)[:, None] + columns  # [B, m]
-            copy = (columns >= count[:, None]) & (columns < (count + copied)[:, None])
-            proposal = torch.where(copy, tokens.gather(1, source.clamp(0, capacity - 1)), proposal)
-            if search == 0:
-                match = torch.where(found, length, 0)
-            count = count + copied
-        last = tokens.gather(1, (end - 1).clamp(min=0)[:, None])[:, 0]  # [B] query's last token
-        if self.bigram is not None:
-            proposal, count = self._bigram_fill(proposal, count, last, end > 0)
-        # Padding: the last real token (the query's where nothing was proposed).
-        previous = torch.where(count > 0, proposal.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], last)
-        proposal = torch.where(columns < count[:, None], proposal, previous[:, None])
-        return MaGProposal(proposal, count, match)
-
-    def _query_window(self, tokens, end, proposal, count) -> torch.Tensor:
-        """[B, max_match]: the last max_match tokens of query + proposal[:count], QUERY_PAD
-        before the start."""
-        offsets = torch.arange(self.max_match, device=tokens.device) - self.max_match
-        where = (end + count)[:, None] + offsets  # [B, max_match] positions in query + proposal
-        in_query = where < end[:, None]
-        from_tokens = tokens.gather(1, where.clamp(0, tokens.shape[1] - 1))
-        from_proposal = proposal.gather(1, (where - end[:, None]).clamp(0, proposal.shape[1] - 1))
-        return torch.where(where < 0, QUERY_PAD, torch.where(in_query, from_tokens, from_proposal))
-
-    def _longest_match(self, padded, window, space) -> tuple[torch.Tensor, torch.Tensor]:
-        """(length [B], position [B]): the longest suffix of `window` that ends at a position
-        p < space in the buffer, and p (ties: leftmost or rightmost). Length 0 if none."""
-        batch, bound = padded.shape[0], padded.shape[1] - self.max_match + 1
-        # lengths[b, p] = how many tokens ending at p equal the window's last ones. One compare
-        # per suffix length over [B, bound] keeps memory at B x bound (unfold + cumprod would
-        # build B x bound x max_match integers, measured 10-100x slower on a CPU).
-        lengths = torch.zeros(batch, bound, dtype=torch.uint8 if self.max_match < 256 else torch.int32,
-                              device=padded.device)
-        running = torch.ones(batch, bound, dtype=torch.bool, device=padded.device)
-        for back in range(self.max_match):
-            start = self.max_match - 1 - back
-            running &= padded[:, start:start + bound] == window[:, -1 - back, None]
-            lengths += running.view(torch.uint8)  # a view: no bool -> uint8 copy per step
-        lengths.masked_fill_(torch.arange(bound, device=padded.device) >= space[:, None], 0)
-        # max returns the first of equal maxima (documented): leftmost, or rightmost when flipped.
-        if self.occurrence == "leftmost":
-            best = lengths.max(dim=1)
-            return best.values.long(), best.indices
-        best = lengths.flip(1).max(dim=1)
-        return best.values.long(), bound - 1 - best.indices
-
-    def _bigram_fill(self, proposal, count, last, has_previous) -> tuple[torch.Tensor, torch.Tensor]:
-        """Continue each row's proposal past `count` while the bigram table is confident."""
-        vocab_size = self.bigram.shape[0]
-        alive = has_previous | (count > 0)  # the chain has a token to continue from
-        filled = count
-        for column in range(proposal.shape[1]):
-            previous = last if column == 0 else proposal[:, column - 1]
-            known = (previous >= 0) & (previous < vocab_size)
-            entry = previous.clamp(0, vocab_size - 1)
-            confident = known & (self.bigram_prob[entry] >= self.min_bigram_prob)
-            open_ = column >= count
-            fill = open_ & alive & confident
-            proposal[:, column] = torch.where(fill, self.bigram[entry], proposal[:, column])
-            alive = torch.where(open_, fill, alive)
-            filled = filled + fill
-        return proposal, filled
+        # The kernel on CUDA only: interpreted, a call takes seconds (tests/kernels/test_mag.py checks it).
+        propose = mag_propose if tokens.is_cuda else mag_propose_ref
+        proposal, length, match = propose(
+            tokens if tokens.stride(1) == 1 else tokens.contiguous(), end, history_end, m, bound,
+            self.bigram, self.bigram_prob, self.min_match, self.max_match, self.min_bigram_prob,
+            self.occurrence == "leftmost", self.copy_passes)
+        return MaGProposal(proposal, length, match)

@@ -81,11 +81,13 @@ class StagedDecoder:
         self.branching = config.branching
         self.mag_tokens = config.mag_tokens
         parents = branching_parents(config.branching)
-        self.likely_path = first_child_path(parents)[1:]  # the drafter's top-1 chain, below the root
+        likely_path = first_child_path(parents)[1:]  # the drafter's top-1 chain, below the root
+        # On the device: indexing with a Python list would copy it there every step (a sync).
+        self.likely_path = torch.tensor(likely_path, device=engine.device)
         self.mag = None
         if config.mag_tokens:
             self.mag = next((d for d in engine.drafters if isinstance(d, MaG)), None) or MaG()
-            parents = with_chain(parents, self.likely_path[-1], config.mag_tokens)
+            parents = with_chain(parents, likely_path[-1], config.mag_tokens)
         self.tree = TreeShape.build(torch.tensor([parents], device=engine.device), config.depth)
         self.max_tokens_per_forward = len(parents)
 

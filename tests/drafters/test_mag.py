@@ -239,3 +239,5 @@ def test_propose_runs_in_a_cuda_graph():
         captured = mag.propose(tokens, end, history_end, 8)
     graph.replay()
     assert all(torch.equal(a, b) for a, b in zip(vars(captured).values(), vars(expected).values()))
+    on_cpu = mag.to("cpu").propose(tokens.cpu(), end.cpu(), history_end.cpu(), 8)  # the reference
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(vars(expected).values(), vars(on_cpu).values()))

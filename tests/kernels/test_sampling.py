@@ -101,7 +101,8 @@ def test_partial_sorts_equal_full_sort(monkeypatch):
         assert torch.equal(got, want[has_k]), f"seed={seed}: max_top_k"
     with pytest.raises(ValueError, match="max_top_k"):
         inputs = random_batch(gen, 2, 1, 50, False)
-        verify_ref(**dict(inputs, temperature=torch.ones(2), top_k=torch.tensor([0, 3]), top_p=torch.tensor([0.9, 1.0])),
+        verify_ref(**dict(inputs, temperature=torch.ones(2, device=DEVICE), top_k=torch.tensor([0, 3], device=DEVICE),
+                          top_p=torch.tensor([0.9, 1.0], device=DEVICE)),
                    max_top_k=8)
 
 
@@ -175,8 +176,8 @@ def test_references_do_not_read_the_device(count_reads, monkeypatch, filtered, w
     settings = [inputs[name] for name in ("temperature", "top_k", "top_p")]
     lenience = 1.0 + 2 * torch.rand(batch, generator=gen).to(DEVICE)
     no_seed = {name: value for name, value in inputs.items() if name not in ("seed", "offset")}
-    tree_inputs = dict(logits=inputs["logits"], tokens=torch.randint(0, vocab, (batch, k + 1), generator=gen),
-                       parents=torch.tensor([-1, 0, 0, 1]).expand(batch, k + 1).contiguous(),
+    tree_inputs = dict(logits=inputs["logits"], tokens=torch.randint(0, vocab, (batch, k + 1), generator=gen).to(DEVICE),
+                       parents=torch.tensor([-1, 0, 0, 1]).expand(batch, k + 1).contiguous().to(DEVICE),
                        draft_probs=inputs["logits"].softmax(-1) if with_draft_probs else None,
                        **{name: inputs[name] for name in ("temperature", "top_k", "top_p", "seed", "offset")})
     with count_reads() as counter:

@@ -1,0 +1,214 @@
+"""MaG's proposal (drafters/mag.py has the glossary) as one Triton launch, with its PyTorch reference.
+
+Per row b of a token buffer tokens [B, C]: find the longest suffix (<= max_match tokens) of the
+query tokens[b, :end[b]] that ends at a position p < history_end[b] - 1 (and p < bound), copy up
+to m tokens that followed it (never past the committed history), repeat `copy_passes` times on
+the query extended by the copy, then continue with the bigram chain while it is confident, and
+pad the proposal with its last real token (the query's last where nothing was proposed).
+
+Why a kernel: the reference is ~3 tensor ops per compared suffix length plus ~8 per bigram
+column, ~100-200 launches per call; a cascade step proposes with MaG several times, and on an
+H100 those launches cost ~30 ms of host time per step (bench/gpu.py's step split, 2026-11-24).
+One program per row walks the searched positions in blocks of BLOCK; everything depends on the
+shapes and host ints only, so a call can be captured in a CUDA graph. Ties between equally long
+matches go to the leftmost occurrence (the spec's) or the rightmost, as in the reference.
+"""
+import torch
+import triton
+import triton.language as tl
+
+TOKEN_PAD = -1  # stands before the buffer: no query token equals it
+QUERY_PAD = -2  # stands before the query: no buffer token equals it
+BLOCK = 128  # searched positions per iteration of a row's program
+_TOKEN_PAD, _QUERY_PAD = tl.constexpr(TOKEN_PAD), tl.constexpr(QUERY_PAD)  # as the kernels see them
+
+
+@triton.jit
+def _proposal_token(tokens_row, proposal, cols, position, end, capacity):
+    """Token at `position` of query + proposal (QUERY_PAD before the start)."""
+    from_tokens = tl.load(tokens_row + tl.minimum(tl.maximum(position, 0), capacity - 1))
+    from_proposal = tl.sum(tl.where(cols == position - end, proposal, 0), axis=0)
+    return tl.where(position < 0, _QUERY_PAD, tl.where(position < end, from_tokens, from_proposal))
+
+
+@triton.jit
+def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigram_prob_ptr,
+                out_tokens_ptr, out_length_ptr, out_match_ptr, capacity, bound, vocab, min_bigram_prob, min_match,
+                M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, COPY_PASSES: tl.constexpr,
+                LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tokens_row = tokens_ptr + row * stride_t
+    end = tl.minimum(tl.maximum(tl.load(end_ptr + row), 0), capacity)
+    history_end = tl.minimum(tl.maximum(tl.load(history_end_ptr + row), 0), end)
+    space = tl.minimum(tl.maximum(history_end - 1, 0), bound)  # searched positions: p < space
+    cols = tl.arange(0, M_BLOCK).to(tl.int64)
+    proposal = tl.zeros([M_BLOCK], dtype=tl.int64)
+    count = end * 0  # tokens proposed so far (an int64 scalar)
+    match = end * 0
+    for search in tl.static_range(COPY_PASSES):
+        best_length = count * 0
+        best_position = count * 0
+        for start in range(0, bound, BLOCK):
+            p = start + tl.arange(0, BLOCK).to(tl.int64)
+            running = p < space
+            length = tl.zeros([BLOCK], dtype=tl.int64)
+            for back in tl.static_range(MAX_MATCH):
+                want = _proposal_token(tokens_row, proposal, cols, end + count - 1 - back, end, capacity)
+                have = tl.load(tokens_row + p - back, mask=running & (p >= back), other=_TOKEN_PAD)
+                running = running & (have == want)
+                length += running.to(tl.int64)
+            block_best = tl.max(length, axis=0)
+            if LEFTMOST:
+                at = tl.min(tl.where(length == block_best, p, capacity + BLOCK), axis=0)
+                better = block_best > best_length
+            else:
+                at = tl.max(tl.where(length == block_best, p, -1), axis=0)
+                better = block_best >= best_length
+            best_position = tl.where(better, at, best_position)
+            best_length = tl.where(better, block_best, best_length)
+        found = (best_length >= min_match) & (count < M)
+        copied = tl.where(found, tl.minimum(M - count, history_end - 1 - best_position), 0)
+        copy = (cols >= count) & (cols < count + copied)
+        source = tl.minimum(tl.maximum(best_position + 1 - count + cols, 0), capacity - 1)
+        proposal = tl.where(copy, tl.load(tokens_row + source, mask=copy, other=0), proposal)
+        if search == 0:
+            match = tl.where(found, best_length, 0)
+        count = count + copied
+    last = tl.load(tokens_row + tl.maximum(end - 1, 0))  # the query's last token
+    if HAS_BIGRAM:
+        alive = (end > 0) | (count > 0)  # the chain has a token to continue from
+        filled = count
+        previous = last
+        for column in tl.static_range(M):
+            if column > 0:
+                previous = tl.sum(tl.where(cols == column - 1, proposal, 0), axis=0)
+            known = (previous >= 0) & (previous < vocab)
+            entry = tl.minimum(tl.maximum(previous, 0), vocab - 1)
+            confident = known & (tl.load(bigram_prob_ptr + entry).to(tl.float32) >= min_bigram_prob)
+            open_ = column >= count
+            fill = open_ & alive & confident
+            proposal = tl.where((cols == column) & fill, tl.load(bigram_ptr + entry), proposal)
+            alive = tl.where(open_, fill, alive)
+            filled += fill.to(tl.int64)
+        count = filled
+    previous = tl.where(count > 0, tl.sum(tl.where(cols == count - 1, proposal, 0), axis=0), last)
+    proposal = tl.where(cols < count, proposal, previous)
+    tl.store(out_tokens_ptr + row * M + cols, proposal, mask=cols < M)
+    tl.store(out_length_ptr + row, count)
+    tl.store(out_match_ptr + row, match)
+
+
+def mag_propose(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
+                bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
+                min_bigram_prob: float, leftmost: bool, copy_passes: int):
+    """(proposal [B, m] int64, length [B] int64, match [B] int64) in one launch; arguments as
+    in `mag_propose_ref` (drafters/mag.py's MaG.propose checks them). The threshold is compared
+    in float32 after rounding it to the table's dtype, as the reference's comparison does."""
+    batch, capacity = tokens.shape
+    proposal = torch.empty(batch, m, dtype=torch.int64, device=tokens.device)
+    length = torch.empty(batch, dtype=torch.int64, device=tokens.device)
+    match = torch.empty(batch, dtype=torch.int64, device=tokens.device)
+    if batch == 0:
+        return proposal, length, match
+    has_bigram = bigram is not None
+    threshold = float(torch.tensor(min_bigram_prob, dtype=bigram_prob.dtype)) if has_bigram else 0.0
+    _mag_kernel[(batch,)](
+        tokens, tokens.stride(0), end.contiguous(), history_end.contiguous(),
+        bigram if has_bigram else tokens, bigram_prob if has_bigram else tokens,
+        proposal, length, match, capacity, min(bound, capacity), bigram.shape[0] if has_bigram else 1,
+        threshold, min_match, M=m, M_BLOCK=triton.next_power_of_2(m), MAX_MATCH=max_match, COPY_PASSES=copy_passes,
+        LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, BLOCK=BLOCK)
+    return proposal, length, match
+
+
+def mag_propose_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
+                    bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
+                    min_bigram_prob: float, leftmost: bool, copy_passes: int):
+    """The PyTorch reference: fixed-shape tensor ops, no host read (the CPU path of MaG).
+
+    tokens [B, C] int64 (stride 1 along C); end [B] int64 in 0..C; history_end [B] int64 in
+    0..end[b]; m >= 1 and bound (only tokens[:, :bound] are searched) host ints. Out-of-range
+    values are clamped, never read out of bounds. Cost: max_match compares over [B, bound] per
+    pass; on one shared CPU core ~0.6 ms at B=1 (C=2304 or 16384), ~1 ms at B=8, C=2304.
+    """
+    batch, capacity = tokens.shape
+    bound = min(bound, capacity)
+    end = end.clamp(0, capacity)
+    history_end = torch.minimum(history_end.clamp(min=0), end)
+    space = (history_end - 1).clamp(0, bound)  # [B] searched positions
+    # [B, bound + max_match - 1]: the searched tokens after a pad, so that a match ending
+    # at position p reads padded[:, p + max_match - 1 - j] for its j-th token from the end.
+    padded = torch.cat([tokens.new_full((batch, max_match - 1), TOKEN_PAD), tokens[:, :bound]], 1)
+    columns = torch.arange(m, device=tokens.device)  # [m]
+    proposal = tokens.new_zeros(batch, m)
+    count = torch.zeros_like(end)  # [B] tokens proposed so far
+    match = torch.zeros_like(end)
+    for search in range(copy_passes if bound > 0 else 0):
+        window = _query_window(tokens, end, proposal, count, max_match)  # [B, max_match]
+        length, position = _longest_match(padded, window, space, max_match, leftmost)
+        found = (length >= min_match) & (count < m)
+        copied = torch.where(found, torch.minimum(m - count, history_end - 1 - position), 0)
+        source = (position + 1 - count)[:, None] + columns  # [B, m]
+        copy = (columns >= count[:, None]) & (columns < (count + copied)[:, None])
+        proposal = torch.where(copy, tokens.gather(1, source.clamp(0, capacity - 1)), proposal)
+        if search == 0:
+            match = torch.where(found, length, 0)
+        count = count + copied
+    last = tokens.gather(1, (end - 1).clamp(min=0)[:, None])[:, 0]  # [B] query's last token
+    if bigram is not None:
+        proposal, count = _bigram_fill(proposal, count, last, end > 0, bigram, bigram_prob, min_bigram_prob)
+    # Padding: the last real token (the query's where nothing was proposed).
+    previous = torch.where(count > 0, proposal.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], last)
+    proposal = torch.where(columns < count[:, None], proposal, previous[:, None])
+    return proposal, count, match
+
+
+def _query_window(tokens, end, proposal, count, max_match) -> torch.Tensor:
+    """[B, max_match]: the last max_match tokens of query + proposal[:count], QUERY_PAD
+    before the start."""
+    offsets = torch.arange(max_match, device=tokens.device) - max_match
+    where = (end + count)[:, None] + offsets  # [B, max_match] positions in query + proposal
+    in_query = where < end[:, None]
+    from_tokens = tokens.gather(1, where.clamp(0, tokens.shape[1] - 1))
+    from_proposal = proposal.gather(1, (where - end[:, None]).clamp(0, proposal.shape[1] - 1))
+    return torch.where(where < 0, QUERY_PAD, torch.where(in_query, from_tokens, from_proposal))
+
+
+def _longest_match(padded, window, space, max_match, leftmost) -> tuple[torch.Tensor, torch.Tensor]:
+    """(length [B], position [B]): the longest suffix of `window` that ends at a position
+    p < space in the buffer, and p (ties: leftmost or rightmost). Length 0 if none."""
+    batch, bound = padded.shape[0], padded.shape[1] - max_match + 1
+    # lengths[b, p] = how many tokens ending at p equal the window's last ones. One compare
+    # per suffix length over [B, bound] keeps memory at B x bound (unfold + cumprod would
+    # build B x bound x max_match integers, measured 10-100x slower on a CPU).
+    lengths = torch.zeros(batch, bound, dtype=torch.uint8 if max_match < 256 else torch.int32, device=padded.device)
+    running = torch.ones(batch, bound, dtype=torch.bool, device=padded.device)
+    for back in range(max_match):
+        start = max_match - 1 - back
+        running &= padded[:, start:start + bound] == window[:, -1 - back, None]
+        lengths += running.view(torch.uint8)  # a view: no bool -> uint8 copy per step
+    lengths.masked_fill_(torch.arange(bound, device=padded.device) >= space[:, None], 0)
+    # max returns the first of equal maxima (documented): leftmost, or rightmost when flipped.
+    if leftmost:
+        best = lengths.max(dim=1)
+        return best.values.long(), best.indices
+    best = lengths.flip(1).max(dim=1)
+    return best.values.long(), bound - 1 - best.indices
+
+
+def _bigram_fill(proposal, count, last, has_previous, bigram, bigram_prob, min_bigram_prob):
+    """Continue each row's proposal past `count` while the bigram table is confident."""
+    vocab_size = bigram.shape[0]
+    alive = has_previous | (count > 0)  # the chain has a token to continue from
+    filled = count
+    for column in range(proposal.shape[1]):
+        previous = last if column == 0 else proposal[:, column - 1]
+        known = (previous >= 0) & (previous < vocab_size)
+        entry = previous.clamp(0, vocab_size - 1)
+        confident = known & (bigram_prob[entry] >= min_bigram_prob)
+        open_ = column >= count
+        fill = open_ & alive & confident
+        proposal[:, column] = torch.where(fill, bigram[entry], proposal[:, column])
+        alive = torch.where(open_, fill, alive)
+        filled = filled + fill
+    return proposal, filled
