@@ -1,8 +1,9 @@
 """GPU measurements in one run (under 9 minutes on one H100), one table each:
 
 1. copy bandwidth: a 1 GiB device-to-device copy, (read + written bytes) / time: the yardstick;
-2. chain verification (kernels/verify.py `verify`): logits bytes / time for B in {1, 8, 64},
-   k in {4, 8}, V in {32000, 151936}, greedy and sampling (T = 1, deterministic drafts);
+2. chain verification (kernels/verify.py `verify`): launched and graph-replayed time, logits
+   bytes / graph time for B in {1, 8, 64}, k in {4, 8}, V in {32000, 151936}, greedy and
+   sampling (T = 1, deterministic drafts);
 3. attention (kernels/attention.py `cache_attention`) against the native runner's SDPA path
    (cache sliced to the bound + boolean mask) for contexts 512..8192, batch 1 and 8, n = 1 and 5;
 4. autoregressive tokens/s of a Llama-2-7B-shaped model with random bf16 weights, batch 1: the
@@ -129,10 +130,11 @@ def bench_verify(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> li
                                 top_p=torch.ones(batch, device=device),
                                 seed=torch.randint(0, 2**31, (batch,), device=device),
                                 offset=torch.zeros(batch, dtype=torch.int64, device=device))
-                    ms = time_ms(lambda: verify(logits, drafts, num_drafts, None, **args), device)
-                    gb_per_s = logits.numel() * 4 / ms / 1e6
-                    rows.append(dict(vocab=vocab, batch=batch, k=k, mode=mode, us=ms * 1e3, gb_per_s=gb_per_s,
-                                     of_copy=gb_per_s / copy_gb_per_s))
+                    call = lambda: verify(logits, drafts, num_drafts, None, **args)  # noqa: E731
+                    ms, replay_ms = time_ms(call, device), graph_ms(call, device)
+                    gb_per_s = logits.numel() * 4 / replay_ms / 1e6
+                    rows.append(dict(vocab=vocab, batch=batch, k=k, mode=mode, us=ms * 1e3, graph_us=replay_ms * 1e3,
+                                     gb_per_s=gb_per_s, of_copy=gb_per_s / copy_gb_per_s))
                 progress(f"verify V={vocab} B={batch} k={k}: {rows[-2]['us']:.1f} / {rows[-1]['us']:.1f} us")
     return rows
 
@@ -250,16 +252,14 @@ def bench_autoregressive(models: Models, copy_gb_per_s: float) -> dict:
         runner.attention_backend = backend
         engine = engine_for(runner, [], models)
         measure(f"csd_engine eager, {backend} attention", lambda: engine.generate([prompt], params)[0].token_ids)
-    engine = engine_for(GraphedRunner(runner), [], models)
-    measure("csd_engine CUDA graphs, triton attention", lambda: engine.generate([prompt], params)[0].token_ids)
-    if device.type == "cuda" and not models.fused:  # the fused norm / RoPE kernels, end to end
-        runner.fused = True
+    for fused in (models.fused, not models.fused) if device.type == "cuda" else (models.fused,):
+        runner.fused = fused  # both norm / RoPE paths, end to end
         try:
             engine = engine_for(GraphedRunner(runner), [], models)
-            measure("csd_engine CUDA graphs, triton attention, fused kernels",
+            measure("csd_engine CUDA graphs, triton attention" + (", fused kernels" if fused else ""),
                     lambda: engine.generate([prompt], params)[0].token_ids)
         finally:
-            runner.fused = False
+            runner.fused = models.fused
     measure("transformers generate, static cache (eager)", lambda: hf_generate(models, prompt, compiled=False))
     floor_ms = models.weight_bytes / copy_gb_per_s / 1e6
     rows.append(dict(method="bandwidth floor (weight bytes / copy bandwidth)", tokens_per_s=1e3 / floor_ms,
@@ -268,8 +268,28 @@ def bench_autoregressive(models: Models, copy_gb_per_s: float) -> dict:
         row["of_floor"] = floor_ms / row["ms_per_token"]
     reference = outputs["csd_engine eager, triton attention"]
     same = {label: tokens == reference for label, tokens in outputs.items()}
+    plain = "csd_engine CUDA graphs, triton attention"
+    fused = outputs.get(plain + ", fused kernels")
     return {"rows": rows, "same_tokens_as_eager_triton": same, "weight_bytes": models.weight_bytes,
-            "prompt_tokens": len(prompt), "new_tokens": n}
+            "prompt_tokens": len(prompt), "new_tokens": n,
+            "fused_divergence": None if fused is None else divergence(models, prompt, outputs[plain], fused)}
+
+
+def divergence(models: Models, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy outputs first differ, and how close the two chosen tokens were there
+    under transformers' bf16 forward: a gap within the logits' bf16 spacing is a near-tie that
+    any change of rounding order may flip, not a difference in the math."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None
+    ids = torch.tensor([prompt + a[:i]], device=models.device)
+    with torch.no_grad():
+        logits = models.target(ids).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    scale = float(logits.abs().max())
+    return {"position": i, "tokens": [a[i], b[i]], "logit_gap": float(logits[a[i]] - logits[b[i]]),
+            "top2_gap": float(top2[0] - top2[1]), "max_abs_logit": scale,
+            "bf16_spacing_at_max": 2.0 ** (int(torch.tensor(scale).log2().floor()) - 7)}
 
 
 def hf_generate(models: Models, prompt: list[int], compiled: bool) -> list[int]:
@@ -498,8 +518,9 @@ def main(argv=None):
     ap = harness.parser(__doc__)  # --dry-run: tiny shapes on the CPU (Triton interpreter)
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
-    ap.add_argument("--fused", action="store_true",
-                    help="native runners with the fused RMSNorm / RoPE kernels (forward_profile always runs both)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="native runners with plain PyTorch RMSNorm / RoPE instead of the fused kernels (the CUDA "
+                         "default); autoregressive and forward_profile always time both")
     ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
@@ -514,7 +535,7 @@ def main(argv=None):
         raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
     sizes = DRY_RUN if args.dry_run else Sizes()
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
-              "sizes": asdict(sizes), "fused_kernels": args.fused and device.type == "cuda"}
+              "sizes": asdict(sizes), "fused_kernels": not args.unfused and device.type == "cuda"}
     print(f"device={header['device']} " + " ".join(f"{k}={v}" for k, v in harness.versions().items()))
     report = Report(args, header)
     run_sections(args, wanted, sizes, device, report, start)
@@ -528,9 +549,12 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
 
     if "verify" in wanted:
         verify_rows = report.run("verify_kernel", lambda: bench_verify(sizes, device, copy_gb_per_s))
-        print_section("chain verification kernel: logits bytes read / time (of_copy: fraction of the copy bandwidth)",
-                      verify_rows, [("vocab", "V", "d"), ("batch", "B", "d"), ("k", "k", "d"), ("mode", "mode", "s"),
-                                    ("us", "us", ".1f"), ("gb_per_s", "GB/s", ".0f"), ("of_copy", "of copy", ".2f")])
+        print_section("chain verification kernel: 'us' launched from Python, 'graph us' replayed from a CUDA graph "
+                      "(the kernels' own time); GB/s: logits bytes read / graph time (of_copy: fraction of the "
+                      "copy bandwidth)", verify_rows,
+                      [("vocab", "V", "d"), ("batch", "B", "d"), ("k", "k", "d"), ("mode", "mode", "s"),
+                       ("us", "us", ".1f"), ("graph_us", "graph us", ".1f"), ("gb_per_s", "GB/s", ".0f"),
+                       ("of_copy", "of copy", ".2f")])
 
     if "attention" in wanted:
         attention_rows = report.run("attention_kernel", lambda: bench_attention(sizes, device, copy_gb_per_s))
@@ -543,7 +567,7 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("graph_speedup", "graph speedup", ".2f"), ("triton_gb_per_s", "triton GB/s", ".0f"),
                        ("of_copy", "of copy", ".2f"), ("max_abs_diff", "max diff", ".1e")])
 
-    models = Models(sizes, device, args.residual_scale, fused=args.fused)
+    models = Models(sizes, device, args.residual_scale, fused=not args.unfused)
     shape = "tiny" if args.dry_run else "Llama-2-7B"
     if "forward_profile" in wanted:
         profile_rows = report.run("forward_profile", lambda: bench_forward_profile(models, copy_gb_per_s))
@@ -572,6 +596,7 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("of_floor", "of floor", ".2f")])
         if isinstance(ar, dict) and "same_tokens_as_eager_triton" in ar:
             print(f"same tokens as eager triton: {ar['same_tokens_as_eager_triton']}")
+            print(f"graphed plain vs fused, first differing token: {ar['fused_divergence']}")
 
     if "step_split" in wanted:
         graphs_work = ar is None or (isinstance(ar, dict) and "rows" in ar)

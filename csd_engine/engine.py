@@ -36,14 +36,16 @@ class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False,
-                 fused_kernels: bool = False, drafter_device=None, batch_invariant: bool = False):
+                 fused_kernels: bool | None = None, drafter_device=None, batch_invariant: bool = False):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
-        for name, flag in (("fused_kernels", fused_kernels), ("batch_invariant", batch_invariant)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if fused_kernels is not None and not isinstance(fused_kernels, bool):
+            raise TypeError(f"fused_kernels must be None (on a GPU where the model allows), True or False, "
+                            f"got {fused_kernels!r}")
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the
         # other strategies refuse such an engine (strategies.base.require_one_device).

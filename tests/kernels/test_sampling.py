@@ -99,6 +99,8 @@ def test_partial_sorts_equal_full_sort(monkeypatch):
     hinted = processed_ref(*(t[has_k] for t in settings), filtered=True, max_top_k=max_top_k)
     for got, want in zip(hinted, full):
         assert torch.equal(got, want[has_k]), f"seed={seed}: max_top_k"
+    if DEVICE != "cpu":
+        return  # the max_top_k check reads values: it runs on CPU tensors only (a sync on a GPU)
     with pytest.raises(ValueError, match="max_top_k"):
         inputs = random_batch(gen, 2, 1, 50, False)
         verify_ref(**dict(inputs, temperature=torch.ones(2, device=DEVICE), top_k=torch.tensor([0, 3], device=DEVICE),
