@@ -31,7 +31,7 @@ def _proposal_token(tokens_row, proposal, cols, position, end, capacity):
     return tl.where(position < 0, _QUERY_PAD, tl.where(position < end, from_tokens, from_proposal))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bound"])  # bound grows every step: one compiled variant for all
 def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigram_prob_ptr,
                 out_tokens_ptr, out_length_ptr, out_match_ptr, capacity, bound, vocab, min_bigram_prob, min_match,
                 M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, COPY_PASSES: tl.constexpr,

@@ -49,6 +49,11 @@ def test_generic_runner_is_refused_clearly(model):
         Engine(model, max_batch_size=2, max_seq_len=16, native=False, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be True or False"):
         Engine(model, max_batch_size=2, max_seq_len=16, batch_invariant="yes")
+    with pytest.raises(ValueError, match="batch_invariant=True runs the plain norms / RoPE"):
+        Engine(model, max_batch_size=2, max_seq_len=16, batch_invariant=True, fused_kernels=True)
+    with pytest.raises(TypeError, match="fused_kernels must be None"):
+        Engine(model, max_batch_size=2, max_seq_len=16, fused_kernels="on")
+    assert not Engine(model, max_batch_size=2, max_seq_len=16).target.fused  # the default is plain on a CPU
 
 
 @pytest.mark.gpu
