@@ -46,9 +46,6 @@ class Engine:
                             f"got {fused_kernels!r}")
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if batch_invariant and fused_kernels:
-            raise ValueError("batch_invariant=True runs the plain norms / RoPE (the fused kernels are not yet "
-                             "batch-invariant in float32): pass fused_kernels=None or False with it")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the
         # other strategies refuse such an engine (strategies.base.require_one_device).

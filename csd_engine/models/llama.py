@@ -154,11 +154,8 @@ class LlamaRunner(Runner):
         """A row's logits stop depending on the other rows: fixed-size row blocks through every
         matmul, and a fixed split of the KV range in the Triton attention (its default split
         follows the batch); SDPA's key range is rounded up so it never takes its short-range path.
-        Costs the padding of each matmul to a multiple of ROW_BLOCK rows (bench/forward_cost.py).
-        Runs the plain norms / RoPE: with the fused kernels a float32 row moved by 4.6e-6 between
-        batch 1 and 8 on an H100 (tests/models/test_batch_invariance.py; bf16 stayed exact)."""
+        Costs the padding of each matmul to a multiple of ROW_BLOCK rows (bench/forward_cost.py)."""
         self.row_block = ROW_BLOCK
-        self.fused = False
         if self.device.type == "cuda":
             self.attention_backend = "triton"  # its KV split is fixed above; SDPA's CUDA kernels choose their own
 
