@@ -49,6 +49,8 @@ def draw(json_path) -> list[Path]:
         pictures.append(forward_cost(data, Path(f"{stem}-forward-cost.png")))
     if data.get("rows") and "ttft_p50_ms" in data["rows"][0]:
         pictures.append(serve_latency(data, Path(f"{stem}-latency.png")))
+    if data.get("rows") and "launches_per_step" in data["rows"][0]:
+        pictures.append(host_work(data, Path(f"{stem}-launches.png")))
     return [p for p in pictures if p]
 
 
@@ -197,6 +199,28 @@ def serve_latency(data: dict, png: Path) -> Path:
     fig.suptitle(f"served under Poisson arrivals: {args.get('requests', '?')} requests at {args.get('rate', '?')}/s, "
                  f"{args.get('max_batch_size', '?')} rows\n{args.get('target', '?')} <- {args.get('drafter', '?')}, "
                  f"{args.get('dtype', '?')}; {hardware_name(data)}; {data.get('date', '')}", fontsize=10)
+    return save(fig, png)
+
+
+# -- host work ------------------------------------------------------------------------------------
+def host_work(data: dict, png: Path) -> Path:
+    """Kernel launches per step besides the model forwards (bench/host_work.py), batch 1, per mode."""
+    import matplotlib.pyplot as plt
+    rows = [r for r in data["rows"] if r["batch"] == min(r["batch"] for r in data["rows"])]
+    names = list(dict.fromkeys(r["strategy"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names) + 2), 5))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        values = {r["strategy"]: r["launches_per_step"] for r in rows if r["mode"] == mode}
+        ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in range(len(names))],
+               [values.get(n, 0) for n in names], width, label=mode)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([wrap(n, 14) for n in names], fontsize=8)
+    ax.set_ylabel("kernel launches per step, model forwards excluded")
+    ax.set_title(f"host work of a decoding step (batch {rows[0]['batch']}): what a GPU waits on unless the step "
+                 f"is one graph\n{hardware_name(data)}; {data.get('date', '')}", fontsize=10)
+    ax.legend(fontsize=8)
     return save(fig, png)
 
 

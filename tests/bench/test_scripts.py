@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve")
+SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve", "host_work")
 
 
 def cpu_env() -> dict:
@@ -101,6 +101,17 @@ def test_serve_dry_run(tmp_path, models):
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0
         assert row["offline_tokens_per_s"] > 0 and len(row["per_request"]) == 6
     assert record["rows"][0]["acceptance"] is None and 0 <= record["rows"][1]["acceptance"] <= 1
+
+
+def test_host_work_dry_run(tmp_path):
+    """Counts, not timings: no strategy step reads the host, and a cascade launches more than
+    autoregressive decoding (its reviews and MaG calls)."""
+    run("bench/host_work.py", "--dry-run", "--out", str(tmp_path))
+    record = only_json(tmp_path, "host-work")
+    assert all(row["host_reads_per_step"] == 0 for row in record["rows"])
+    launches = {row["strategy"]: row["launches_per_step"] for row in record["rows"]}
+    assert launches["cascade [[4,2],[0,4]] l=2"] > launches["autoregressive"] > 0
+    assert list(tmp_path.glob("host-work-*-launches.png"))
 
 
 def test_gpu_dry_run_on_the_cpu(tmp_path):

@@ -1,0 +1,197 @@
+"""Host work per decoding step, per strategy, counted on the CPU: what a GPU step waits on when
+Python launches it op by op (issue 11; bench/gpu.py's step split times it on a GPU).
+
+For each strategy, batch size and sampling mode, one `generate` runs with every decoder step
+(and plan) under a dispatch-mode counter, which gives per target step:
+* host reads: ops that move values to Python (`.item()`, `bool(t)`, `nonzero`, `.tolist()`,
+  ...) inside the step. The design is 0 (the engine's one `read_host` per step is outside it);
+  tests/strategies/test_host_reads.py asserts it, this table shows it;
+* strategy ops: tensor ops the strategy code dispatches itself (model forwards, verification
+  and MaG excluded): on a GPU each is a kernel launch and some microseconds of host time;
+* calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each),
+  MaG calls (one launch), drafter forwards (a CUDA-graph replay each when graphed);
+* launches: strategy ops + 4 x verifier calls + MaG calls, the kernel launches a graphed
+  step issues besides its model forwards.
+Tiny random models: the counts depend on the strategy's configuration, not on model size.
+
+    python bench/host_work.py [--tokens 32] [--out DIR]
+    python bench/host_work.py --dry-run         # two strategies, a few tokens
+"""
+import os
+import sys
+from collections import Counter
+
+if __package__ in (None, ""):  # run as `python bench/host_work.py`: make the `bench` package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import csd_engine  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.common import print_table  # noqa: E402
+from bench.tiny import perturbed, tiny_qwen2  # noqa: E402
+from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged  # noqa: E402
+from csd_engine.drafters.mag import MaG  # noqa: E402
+
+aten = torch.ops.aten
+DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
+                  aten.unique_consecutive, aten.repeat_interleave}
+VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
+STRATEGIES = {  # name: (drafters, strategy)
+    "autoregressive": ((), Autoregressive()),
+    "speculative k=4": (("d1",), Speculative(k=4)),
+    "speculative MaG k=4": (("mag",), Speculative(k=4)),
+    "cascade [[4,2],[0,4]] l=2": (("d1", "mag"), Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4)),
+    "cascade 3 levels": (("d1", "d2", "mag"), Cascade(k_matrix=((2, 1, 1), (0, 2, 1), (0, 0, 2)), lenience=2.0,
+                                                      mag_tokens=2)),
+    "cascade direct 16": (("d1", "mag"), Cascade(k_matrix=((2, 4), (0, 4)), lenience=2.0, mag_tokens=4,
+                                                 direct_tokens=16)),
+    "cascade tree (3,2)": (("d1", "mag"), Cascade(k_matrix=((2, 4), (0, 4)), lenience=2.0, mag_tokens=4, tree=(3, 2))),
+    "Cascade.auto()": (("d1", "mag"), Cascade.auto()),
+    "staged (2,2,1) + MaG": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
+    "pearl gamma=4": (("d1",), Pearl(gamma=4)),
+}
+DRY_RUN = ("autoregressive", "cascade [[4,2],[0,4]] l=2")
+MODES = {"greedy": dict(), "top-k/top-p": dict(temperature=0.8, top_k=20, top_p=0.9, seed=1)}
+
+
+def category(frame) -> str:
+    """Which layer dispatched an op: the model, MaG, verification / sampling, or the strategy."""
+    seen = set()
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/csd_engine/models/" in path:
+            return "model"
+        if path.endswith("/drafters/mag.py"):
+            seen.add("mag")
+        elif "/kernels/" in path or path.endswith("/csd_engine/verifier.py"):
+            seen.add("verify")
+        elif "/csd_engine/" in path:
+            seen.add("strategy")
+        frame = frame.f_back
+    for name in ("mag", "verify", "strategy"):
+        if name in seen:
+            return name
+    return "other"
+
+
+class Counting(TorchDispatchMode):
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in DATA_DEPENDENT:
+            self.counts["host_reads"] += 1
+        self.counts[category(sys._getframe(1))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Counted:
+    """A strategy whose decoder's `step` and `plan` run under the counter."""
+
+    def __init__(self, strategy, counts: Counter):
+        self.strategy, self.counts = strategy, counts
+
+    def decoder(self, models):
+        decoder = self.strategy.decoder(models)
+        for name in ("step", "plan"):
+            if hasattr(decoder, name):
+                setattr(decoder, name, self._counted(getattr(decoder, name), name == "step"))
+        return decoder
+
+    def _counted(self, fn, is_step):
+        def run(*args, **kwargs):
+            self.counts["steps"] += is_step
+            tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+
+            def read(original):
+                def wrapped(tensor, *a, **kw):
+                    self.counts["host_reads"] += 1
+                    return original(tensor, *a, **kw)
+                return wrapped
+
+            torch.Tensor.tolist, torch.Tensor.numpy = read(tolist), read(numpy)
+            try:
+                with Counting(self.counts):
+                    return fn(*args, **kwargs)
+            finally:
+                torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+        return run
+
+
+def count_calls(engine: Engine, counts: Counter):
+    """Counts verifier and MaG calls (while the counter runs: inside steps only)."""
+    verifier = engine.verifier
+    for name in ("chain", "tree"):
+        original = getattr(verifier, name)
+
+        def wrapped(*args, _original=original, **kwargs):
+            counts["verifier_calls"] += 1
+            return _original(*args, **kwargs)
+        setattr(verifier, name, wrapped)
+    for drafter in engine.drafters:
+        if isinstance(drafter, MaG):
+            original = drafter.propose
+
+            def propose(*args, _original=original, **kwargs):
+                counts["mag_calls"] += 1
+                return _original(*args, **kwargs)
+            drafter.propose = propose
+
+
+def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict:
+    drafters, strategy = STRATEGIES[name]
+    engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=batch, max_seq_len=64 + tokens, device="cpu")
+    prompts = [[(7 * row + 3 * i) % 90 + 1 for i in range(12 + 3 * row)] for row in range(batch)]
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, **MODES[mode])
+    engine.generate(prompts, params, strategy=strategy)  # warm-up: nothing cached in the counts
+    counts = Counter()
+    count_calls(engine, counts)
+    results = engine.generate(prompts, params, strategy=Counted(strategy, counts))
+    steps = max(counts["steps"], 1)
+    first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
+    per_step = {key: counts[key] / steps for key in ("host_reads", "strategy", "verifier_calls", "mag_calls")}
+    per_step["launches"] = per_step["strategy"] + VERIFY_LAUNCHES * per_step["verifier_calls"] + per_step["mag_calls"]
+    return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
+                host_reads_per_step=per_step["host_reads"], strategy_ops_per_step=per_step["strategy"],
+                verifier_calls_per_step=per_step["verifier_calls"], mag_calls_per_step=per_step["mag_calls"],
+                drafter_forwards_per_step=sum(first.drafter_forwards) / max(first.target_forwards, 1),
+                launches_per_step=per_step["launches"],
+                model_ops_per_step=counts["model"] / steps)
+
+
+def main(argv=None):
+    ap = harness.parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per request (default 32)")
+    ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    args = ap.parse_args(argv)
+    harness.start(args)
+    torch.set_num_threads(1)  # tiny models: counts, not speed
+    names = DRY_RUN if args.dry_run else tuple(STRATEGIES)
+    tokens = 6 if args.dry_run else args.tokens
+    batches = [int(b) for b in args.batches.split(",")]
+    target = tiny_qwen2(seed=0, layers=2)
+    models = {"target": target, "d1": perturbed(target, 0.05, seed=1), "d2": perturbed(target, 0.15, seed=2)}
+    path = harness.record_path("host-work", args)
+    rows = []
+    bar = harness.Progress(len(names) * len(batches) * len(MODES))
+    for name in names:
+        for batch in batches:
+            for mode in MODES:
+                rows.append(measure(models, name, batch, mode, tokens))
+                bar.step(f"{name}, batch {batch}, {mode}: {rows[-1]['launches_per_step']:.0f} launches/step")
+                harness.write_record(path, {"rows": rows, "tokens": tokens}, args)
+    print_table(rows, [("strategy", "strategy", "s"), ("batch", "B", "d"), ("mode", "mode", "s"),
+                       ("steps", "steps", "d"), ("host_reads_per_step", "host reads", ".1f"),
+                       ("strategy_ops_per_step", "strategy ops", ".0f"),
+                       ("verifier_calls_per_step", "verify calls", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
+                       ("drafter_forwards_per_step", "drafter fwd", ".1f"),
+                       ("launches_per_step", "launches", ".0f")])
+    harness.finish(path, args)
+
+
+if __name__ == "__main__":
+    main()
