@@ -2,9 +2,9 @@
 # Everything a lent GPU should check, in one device call (under 10 minutes on one H100):
 #   1. build the extension with its CUDA kernels for the local GPU;
 #   2. the GPU-marked tests plus the kernel and graph tests, compiled for real (no interpreter);
-#   3. bench/gpu.py (measurements; table printed last). Its forward_profile times the native
-#      runner with and without the fused RMSNorm / RoPE kernels: if they pass here and are
-#      faster, flip LlamaRunner's `fused` default (written in a session without a GPU).
+#   3. bench/gpu.py (measurements; table printed last): verify and attention kernels, the 7B
+#      forward with and without the fused kernels, autoregressive decoding, the speculative
+#      step split (where host work shows as "other"), PEARL.
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
