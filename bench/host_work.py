@@ -7,11 +7,12 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   ...) inside the step. The design is 0 (the engine's one `read_host` per step is outside it);
   tests/strategies/test_host_reads.py asserts it, this table shows it;
 * strategy ops: tensor ops the strategy code dispatches itself (model forwards, verification
-  and MaG excluded): on a GPU each is a kernel launch and some microseconds of host time;
+  and MaG excluded), each some microseconds of host time; of them, strategy kernels: those
+  that launch a kernel on a GPU (views and `empty` launch none);
 * calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each),
   MaG calls (one launch), drafter forwards (a CUDA-graph replay each when graphed);
-* launches: strategy ops + 4 x verifier calls + MaG calls, the kernel launches a graphed
-  step issues besides its model forwards.
+* launches: strategy kernels + 4 x verifier calls + MaG calls, the kernel launches a step
+  issues besides its model forwards.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
 
     python bench/host_work.py [--tokens 32] [--out DIR]
@@ -35,6 +36,7 @@ from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, S
 from csd_engine.drafters.mag import MaG  # noqa: E402
 
 aten = torch.ops.aten
+NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
 DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
                   aten.unique_consecutive, aten.repeat_interleave}
 VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
@@ -84,7 +86,10 @@ class Counting(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in DATA_DEPENDENT:
             self.counts["host_reads"] += 1
-        self.counts[category(sys._getframe(1))] += 1
+        where = category(sys._getframe(1))
+        self.counts[where] += 1
+        if where == "strategy" and not func.is_view and func.overloadpacket not in NO_KERNEL:
+            self.counts["strategy_kernels"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -153,10 +158,13 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     results = engine.generate(prompts, params, strategy=Counted(strategy, counts))
     steps = max(counts["steps"], 1)
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
-    per_step = {key: counts[key] / steps for key in ("host_reads", "strategy", "verifier_calls", "mag_calls")}
-    per_step["launches"] = per_step["strategy"] + VERIFY_LAUNCHES * per_step["verifier_calls"] + per_step["mag_calls"]
+    per_step = {key: counts[key] / steps
+                for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "mag_calls")}
+    per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
+                            + per_step["mag_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
                 host_reads_per_step=per_step["host_reads"], strategy_ops_per_step=per_step["strategy"],
+                strategy_kernels_per_step=per_step["strategy_kernels"],
                 verifier_calls_per_step=per_step["verifier_calls"], mag_calls_per_step=per_step["mag_calls"],
                 drafter_forwards_per_step=sum(first.drafter_forwards) / max(first.target_forwards, 1),
                 launches_per_step=per_step["launches"],
@@ -187,6 +195,7 @@ def main(argv=None):
     print_table(rows, [("strategy", "strategy", "s"), ("batch", "B", "d"), ("mode", "mode", "s"),
                        ("steps", "steps", "d"), ("host_reads_per_step", "host reads", ".1f"),
                        ("strategy_ops_per_step", "strategy ops", ".0f"),
+                       ("strategy_kernels_per_step", "of them kernels", ".0f"),
                        ("verifier_calls_per_step", "verify calls", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
                        ("drafter_forwards_per_step", "drafter fwd", ".1f"),
                        ("launches_per_step", "launches", ".0f")])
