@@ -102,7 +102,7 @@ class RequestOutput:
     error: str | None = None  # why, when finish_reason == "error"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity compares (field-wise == made admission quadratic)
 class Request:
     id: str
     prompt: list[int]
@@ -186,7 +186,7 @@ class Scheduler:
         if params.stop and self.engine.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         ids = self.engine._encode_prompt(prompt)
-        free = sum(r is None for r in self.slots)
+        free = 0 if self.max_waiting is None else sum(r is None for r in self.slots)
         if self.max_waiting is not None and len(self.waiting) - free >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting) - free} requests wait for a free row (max_waiting={self.max_waiting}): "
                             "retry later")
@@ -371,11 +371,11 @@ class Scheduler:
         """Move waiting requests into free slots: reset their rows and prefill every model there
         (a prompt longer than `prefill_chunk` only starts: `_prefill_chunks` goes on with it).
         Returns whether a request became live."""
-        free = [row for row, r in enumerate(self.slots) if r is None]
+        free = deque(row for row, r in enumerate(self.slots) if r is None)
         new = []
         while free and self.waiting:
             request = self.waiting.popleft()
-            request.row = free.pop(0)
+            request.row = free.popleft()
             self.slots[request.row] = request
             new.append(request)
         if not new:
@@ -387,11 +387,11 @@ class Scheduler:
         state.top_k[index] = values(lambda r: r.params.top_k, torch.int32)
         state.top_p[index] = values(lambda r: r.params.top_p, torch.float32)
         state.seed[index] = values(lambda r: _fresh_seed() if r.params.seed is None else r.params.seed, torch.int64)
-        whole = [r for r in new if self.prefill_chunk is None or len(r.prompt) - 1 <= self.prefill_chunk]
-        for r in new:
-            if r not in whole:  # a masked row holding its prompt, cached chunk by chunk
-                state.tokens[r.row, :len(r.prompt)] = torch.tensor(r.prompt, device=dev)
-                self._prefill(r.row, [], 0)
+        fits = [self.prefill_chunk is None or len(r.prompt) - 1 <= self.prefill_chunk for r in new]
+        whole = [r for r, f in zip(new, fits) if f]
+        for r in (r for r, f in zip(new, fits) if not f):  # a masked row holding its prompt, cached chunk by chunk
+            state.tokens[r.row, :len(r.prompt)] = torch.tensor(r.prompt, device=dev)
+            self._prefill(r.row, [], 0)
         for lo, hi in _runs(sorted(r.row for r in whole)):
             width = max(len(self.slots[row].prompt) for row in range(lo, hi)) - 1
             block = torch.zeros(hi - lo, width, dtype=torch.int64)
