@@ -131,7 +131,7 @@ class Working:
     base: torch.Tensor  # [B] first draft slot: committed + 1
     budgets: list  # per source (Source.index): [B] tokens each row asks of it
     mag_cap: torch.Tensor  # [B] tokens a top-level MaG call may add to a row
-    q: torch.Tensor | None  # [B, max_draft, V] proposal of each draft slot (None when every row is greedy)
+    q: torch.Tensor | None  # [B, max_width + 1, V] proposal of each draft slot, then a scratch slot (None: all greedy)
     reviews: torch.Tensor  # [B] reviews each row had this step (its random stream ids)
     lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
     rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
@@ -224,7 +224,8 @@ class CascadeDecoder:
         neural = [s.index for s in self.sources if s.below is not None]
         rounds = dict(zip(neural, columns[n:-1]))
         width = max(1, min(columns[-1], self.max_width))
-        q = None if state.all_greedy else torch.zeros(b, self.max_width, self.models.target.vocab_size, device=dev)
+        # one slot more than the widest draft: the scratch slot of entries not written (_write)
+        q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
         return Working(state.committed + 1, budgets, cap, q, torch.zeros(b, dtype=torch.int64, device=dev),
                        max(columns[:n]), rounds, width, alt)
@@ -300,22 +301,25 @@ class CascadeDecoder:
         return torch.gather(state.tokens, 1, cols)
 
     def _q_at(self, work: Working, start, width: int) -> torch.Tensor:
-        rel = ((start - work.base)[:, None] + torch.arange(width, device=start.device)).clamp(0, work.q.shape[1] - 1)
+        rel = ((start - work.base)[:, None] + torch.arange(width, device=start.device)).clamp(0, self.max_width - 1)
         return work.q.gather(1, rel[:, :, None].expand(-1, -1, work.q.shape[2]))
 
     def _write(self, state, work: Working, start, block, keep, dist):
         """Write `block` [B, w] at working slots start.. where `keep`, and their proposal
-        distributions into work.q (`dist` [B, w, V], or one-hot of the tokens when None)."""
+        distributions into work.q (`dist` [B, w, V], or one-hot of the tokens when None).
+        Entries not kept go to scratch slots (the token buffer's last column, q's last slot),
+        never onto a kept entry's slot: of duplicate indexes, scatter keeps one arbitrarily."""
         width = state.tokens.shape[1]
-        cols = torch.where(keep, start[:, None] + torch.arange(block.shape[1], device=start.device), width - 1)
+        slot = start[:, None] + torch.arange(block.shape[1], device=start.device)
+        cols = torch.where(keep, slot, width - 1)
         state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
         if work.q is None:
             return
-        vocab = work.q.shape[2]
+        vocab, scratch = work.q.shape[2], work.q.shape[1] - 1
         if dist is None:
             dist = one_hot(block, vocab)
-        rel = (cols - work.base[:, None]).clamp(0, work.q.shape[1] - 1)[:, :, None].expand(-1, -1, vocab)
-        work.q.scatter_(1, rel, torch.where(keep[:, :, None], dist, work.q.gather(1, rel)))
+        rel = torch.where(keep, slot - work.base[:, None], scratch).clamp(0, scratch)
+        work.q.scatter_(1, rel[:, :, None].expand(-1, -1, vocab), dist)
 
     # -- the top-level tree --------------------------------------------------------------------
     def _record_candidates(self, work: Working, logits, start, n, need):
