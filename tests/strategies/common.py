@@ -3,6 +3,7 @@ and sampled output following the target's own distribution."""
 import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine.ops import PADDING
 from tests.stats import assert_pairs_follow
 
 DRAWS = 20000  # >= 90% power against a 2-point shift (tests/strategies/test_distribution.py)
@@ -63,3 +64,32 @@ def assert_samples_follow_target(engine: Engine, target_model, prompt, strategy,
     pairs, results = sample_pairs(engine, prompt, strategy, temperature, top_k, top_p, draws or engine.max_batch_size)
     assert_pairs_follow(pairs, joint_first_two(target_model, prompt, temperature, top_k, top_p))
     return results
+
+
+def check_proposals(engine: Engine) -> list[int]:
+    """Wrap the engine's verifier so that every verification asserts: each draft slot (tree
+    node) a row fills comes with the distribution its token was drawn from (a probability
+    vector giving that token mass; one-hot for deterministic tokens). A lost proposal (zeros)
+    makes the check accept the token whatever its probability. Returns a list that collects,
+    per verification call with proposals, how many rows filled every slot."""
+    full, chain, tree = [], engine.verifier.chain, engine.verifier.tree
+
+    def check(drafts, filled, q):  # filled [B, W]: the slots (nodes) each row's draft uses
+        if q is None:
+            return
+        assert torch.allclose(q.sum(-1)[filled], torch.ones((), dtype=q.dtype)), \
+            "a drafted slot's proposal is not a distribution"
+        assert (q.gather(2, drafts[:, :, None])[:, :, 0][filled] > 0).all(), \
+            "a drafted token has no mass under its own proposal"
+        full.append(int(filled.all(1).sum()))
+
+    def checked_chain(logits, drafts, num_drafts, q, *args, **kwargs):
+        check(drafts, torch.arange(drafts.shape[1], device=drafts.device)[None, :] < num_drafts[:, None], q)
+        return chain(logits, drafts, num_drafts, q, *args, **kwargs)
+
+    def checked_tree(logits, tokens, parents, q, *args, **kwargs):
+        check(tokens[:, 1:], parents[:, 1:] != PADDING, None if q is None else q[:, 1:])
+        return tree(logits, tokens, parents, q, *args, **kwargs)
+
+    engine.verifier.chain, engine.verifier.tree = checked_chain, checked_tree
+    return full

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from csd_engine import Autoregressive, Cascade, Engine, SamplingParams
-from csd_engine.ops import PADDING
 from csd_engine.strategies.cascade import _validate_k_matrix
-from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
+from tests.strategies.common import (assert_greedy_equals_autoregressive, assert_samples_follow_target,
+                                     check_proposals)
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
 
 
@@ -205,35 +205,17 @@ def test_bad_tree_is_refused(models):
     (("d1", "mag"), Cascade(k_matrix=[[1, 4], [0, 2]], lenience=2, mag_tokens=2, tree=(2, 2))),
 ])
 def test_every_drafted_token_reaches_the_target_with_its_proposal(models, drafters, strategy):
-    """The target's check gets, for every draft slot a row fills, the distribution that slot's token
-    was drawn from (a probability vector giving the token mass; one-hot for MaG's tokens), also
-    for a draft that fills the plan's last slot. A lost proposal (zeros) would make the target
+    """Every verification (the target's and the reviews) gets, for every draft slot a row fills, the
+    distribution that slot's token was drawn from (a probability vector giving the token mass;
+    one-hot for MaG's tokens), also for a draft that fills the plan's last slot. A lost proposal (zeros) would make the target
     accept that token whatever its probability: not lossless. Checked directly, since a
-    distribution test over the first two tokens never sees the last slot of a wide draft."""
+    distribution test over the first two tokens never sees the last slot of a wide draft
+    (test_every_strategy checks every strategy the same way)."""
     target, d1, _ = models
     engine = Engine(target, drafters=[d1 if d == "d1" else d for d in drafters], max_batch_size=16, max_seq_len=48,
                     verify_backend="torch")
-    seen, chain, tree = [], engine.verifier.chain, engine.verifier.tree
-
-    def check(drafts, filled, q):  # filled [B, W]: the slots (nodes) a row's draft uses
-        if q is None:
-            return
-        assert torch.allclose(q.sum(-1)[filled], torch.ones(())), "a drafted slot's proposal is not a distribution"
-        assert (q.gather(2, drafts[:, :, None])[:, :, 0][filled] > 0).all(), \
-            "a drafted token has no mass under its own proposal"
-        seen.append(int(filled.all(1).sum()))  # rows whose draft fills every slot
-
-    def counting_chain(logits, drafts, num_drafts, q, *args, lenience=1.0, **kwargs):
-        if lenience == 1.0:  # the target's check (reviews run at the strategy's lenience)
-            check(drafts, torch.arange(drafts.shape[1])[None, :] < num_drafts[:, None], q)
-        return chain(logits, drafts, num_drafts, q, *args, lenience=lenience, **kwargs)
-
-    def counting_tree(logits, tokens, parents, q, *args, **kwargs):
-        check(tokens[:, 1:], parents[:, 1:] != PADDING, None if q is None else q[:, 1:])
-        return tree(logits, tokens, parents, q, *args, **kwargs)
-
-    engine.verifier.chain, engine.verifier.tree = counting_chain, counting_tree
+    full = check_proposals(engine)
     prompts = [[5, 6, 7, 8] * 3] * 16
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=24) for s in range(16)]
     engine.generate(prompts, params, strategy=strategy)
-    assert seen and sum(seen) > 0, "no draft filled the plan's last slot: the check saw nothing"
+    assert sum(full) > 0, "no draft filled the plan's last slot: the check saw nothing"

@@ -4,6 +4,7 @@
   prompts, mixed greedy / sampled / top-k / top-p rows, other lengths), and when run again;
 * stop tokens end a request at their first occurrence, also inside an accepted draft, greedy
   and sampled; per-row `max_new_tokens` and `max_seq_len` end it with finish reason `length`;
+* every drafted token reaches its verification with the distribution it was drawn from;
 * acceptance floor: with drafters identical to the target, every draft the target is offered
   is accepted (a cache that keeps a rejected token, or loses one, makes the drafter see
   another context and fails this without CSD_DEBUG).
@@ -20,6 +21,7 @@ import csd_engine.models.llama
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import Runner
+from tests.strategies.common import check_proposals
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
 
 MAX_SEQ_LEN = 64
@@ -229,3 +231,19 @@ def test_acceptance_matches_a_drafter_of_known_rate(models, monkeypatch, name, s
             a = (3 - (c + 1) % 3) % 3
             expected, emitted, c = expected + a, emitted + a + 1, c + a + 1
         assert steps_accepted == expected, f"{name}: {steps_accepted} drafts accepted, a correct cache gives {expected}"
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "autoregressive"])
+def test_every_drafted_token_is_verified_with_its_proposal(models, name):
+    """Sampled rows with top-k / top-p and repetitive prompts (long drafts, MaG matches): each
+    verification call asserts that every slot a row drafted has a proposal giving its token mass
+    (tests/strategies/common.py check_proposals)."""
+    drafters, strategy = STRATEGIES[name]
+    engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=6, max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
+    calls = check_proposals(engine)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_new_tokens=24)
+              for s, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 0.9)] * 2)]
+    engine.generate([repetitive_prompt(s) for s in range(6)], params, strategy=strategy)
+    deterministic = name in ("speculative-mag", "staged")  # MaG's tokens, the tree's top-b children: q None
+    assert calls or deterministic, "no verification with proposals ran"
