@@ -93,6 +93,10 @@ class StepMetrics:
     level_accepted: dict = field(default_factory=dict)  # level -> [B]
     level_drafted: dict = field(default_factory=dict)
     draft_lengths: torch.Tensor | None = None  # [B, L] rounds in which row b offered the target l draft tokens
+    # per top-level cascade source (Source.index) -> [B]: its draft tokens the target accepted, and
+    # checked (accepted, or the first rejected one): accepted / checked is the source's per-token rate
+    source_accepted: dict = field(default_factory=dict)
+    source_checked: dict = field(default_factory=dict)
     wait_time_s: dict = field(default_factory=dict)  # side -> seconds it waited for the other (parallel strategies)
 
     def count_drafter(self, drafter: int, n: int = 1) -> None:
@@ -103,7 +107,7 @@ class StepMetrics:
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Zero the per-row counters of `rows` ([B] bool): a new request takes those rows."""
-        for counters in (self.level_accepted, self.level_drafted):
+        for counters in (self.level_accepted, self.level_drafted, self.source_accepted, self.source_checked):
             for level, value in counters.items():
                 if isinstance(value, torch.Tensor):
                     counters[level] = value.masked_fill(rows, 0)
@@ -111,6 +115,19 @@ class StepMetrics:
             value = getattr(self, name)
             if value is not None:
                 value.masked_fill_(rows[:, None], 0)
+
+    def record_sources(self, origin: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor,
+                       active: torch.Tensor, sources) -> None:
+        """Per source, the target's verdicts on its tokens in one check: origin [B, W] source
+        index of each draft slot, length [B] slots drafted, accepted [B] accepted slots."""
+        pos = torch.arange(origin.shape[1], device=origin.device)[None, :]
+        live = active[:, None]
+        took = live & (pos < accepted[:, None])
+        checked = live & (pos <= accepted[:, None]) & (pos < length[:, None])
+        for s in sources:
+            mine = origin == s
+            self.source_accepted[s] = self.source_accepted.get(s, 0) + (took & mine).sum(1)
+            self.source_checked[s] = self.source_checked.get(s, 0) + (checked & mine).sum(1)
 
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]

@@ -137,9 +137,12 @@ class Working:
     rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
     width: int  # host bound on this step's draft (the widest active row's plan)
     alt: torch.Tensor | None = None  # [B, depths, top] tree candidates per depth, -1 unknown
+    origin: torch.Tensor | None = None  # [B, max_width + 1] source index of each draft slot (when tracked), scratch last
 
 
 class CascadeDecoder:
+    track_sources = False  # count the target's verdicts per top-level source (StepMetrics.source_*)
+
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
                  direct_match: int = 0, direct_tokens: int = 16):
         self.models = models
@@ -212,6 +215,9 @@ class CascadeDecoder:
             out, trunk = self._verify_tree(state, work, draft)
         else:
             out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
+        if work.origin is not None:
+            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, state.active,
+                                         [s.index for s in self.levels.sources])
         roll_back_drafters(self.models.drafters, work.base + trunk)
         commit(state, out)
         return out
@@ -227,8 +233,9 @@ class CascadeDecoder:
         # one slot more than the widest draft: the scratch slot of entries not written (_write)
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
+        origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
         return Working(state.committed + 1, budgets, cap, q, torch.zeros(b, dtype=torch.int64, device=dev),
-                       max(columns[:n]), rounds, width, alt)
+                       max(columns[:n]), rounds, width, alt, origin)
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
         """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
@@ -241,7 +248,7 @@ class CascadeDecoder:
                 need = (length < goal) & rows
                 if source.below is None:
                     m = work.width if level is self.levels else self.mag_tokens
-                    length = self._mag_append(state, work, length, need, m, level is self.levels)
+                    length = self._mag_append(state, work, source, length, need, m, level is self.levels)
                     grown += m
                 else:
                     sub = self._draft(state, work, source.below, length.clone(), need, grown)
@@ -249,13 +256,13 @@ class CascadeDecoder:
                     grown += source.below.max_growth + 1
         return length
 
-    def _mag_append(self, state, work: Working, length, need, m: int, top: bool):
+    def _mag_append(self, state, work: Working, source: Source, length, need, m: int, top: bool):
         """MaG proposes up to m tokens after each row's working sequence (one-hot q); a row keeps
         at most its cap (mag_tokens, or a direct row's direct_tokens)."""
         proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
         keep = proposal.length.clamp(max=work.mag_cap if top else self.mag_tokens) * need
         col = torch.arange(m, device=length.device)[None, :]
-        self._write(state, work, length, proposal.tokens, col < keep[:, None], None)
+        self._write(state, work, source, length, proposal.tokens, col < keep[:, None], None)
         return length + keep
 
     def _review(self, state, work: Working, source: Source, mark, sub_len, need, grown: int):
@@ -290,7 +297,7 @@ class CascadeDecoder:
                                                           state.top_p, self.lenience, res, check_values=False)
         keep = need[:, None] & (torch.arange(width + 1, device=dev)[None, :] <= accepted[:, None])
         block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
-        self._write(state, work, mark, block, keep, e)
+        self._write(state, work, source, mark, block, keep, e)
         roll_back_drafters(self.models.drafters, torch.where(need, mark + accepted, state.tokens.shape[1]))
         if work.alt is not None:
             self._record_candidates(work, logits, mark - work.base, accepted, need)
@@ -304,22 +311,26 @@ class CascadeDecoder:
         rel = ((start - work.base)[:, None] + torch.arange(width, device=start.device)).clamp(0, self.max_width - 1)
         return work.q.gather(1, rel[:, :, None].expand(-1, -1, work.q.shape[2]))
 
-    def _write(self, state, work: Working, start, block, keep, dist):
+    def _write(self, state, work: Working, source: Source, start, block, keep, dist):
         """Write `block` [B, w] at working slots start.. where `keep`, and their proposal
-        distributions into work.q (`dist` [B, w, V], or one-hot of the tokens when None).
+        distributions into work.q (`dist` [B, w, V], or one-hot of the tokens when None) and
+        `source` into work.origin (a top-level source writes last: its index is what stays).
         Entries not kept go to scratch slots (the token buffer's last column, q's last slot),
         never onto a kept entry's slot: of duplicate indexes, scatter keeps one arbitrarily."""
         width = state.tokens.shape[1]
         slot = start[:, None] + torch.arange(block.shape[1], device=start.device)
         cols = torch.where(keep, slot, width - 1)
         state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
-        if work.q is None:
+        if work.q is None and work.origin is None:
             return
-        vocab, scratch = work.q.shape[2], work.q.shape[1] - 1
-        if dist is None:
-            dist = one_hot(block, vocab)
+        scratch = self.max_width
         rel = torch.where(keep, slot - work.base[:, None], scratch).clamp(0, scratch)
-        work.q.scatter_(1, rel[:, :, None].expand(-1, -1, vocab), dist)
+        if work.origin is not None:
+            work.origin.scatter_(1, rel, torch.full_like(rel, source.index))
+        if work.q is not None:
+            vocab = work.q.shape[2]
+            dist = one_hot(block, vocab) if dist is None else dist
+            work.q.scatter_(1, rel[:, :, None].expand(-1, -1, vocab), dist)
 
     # -- the top-level tree --------------------------------------------------------------------
     def _record_candidates(self, work: Working, logits, start, n, need):

@@ -9,8 +9,11 @@ maximises its expected tokens per cost:
     tokens(a) = 1 + alpha + ... + alpha^a
     cost(a)   = 1 + width_cost a + c_model ceil(a / (1 + beta M))
 
-alpha: the row's counted rate of drafts the target accepted, beta: of MaG tokens the model
-accepted, both counted in this generate call with a prior of 0.5 worth `prior` drafts;
+alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
+over checked, where a token after a rejection is not checked: the rate the geometric sum
+assumes; MaG's top-level tokens are counted apart, StepMetrics.source_*), beta: the share of MaG
+tokens the model accepted in its reviews, both counted in this generate call with a prior of
+0.5 worth `prior` drafts;
 c_model: the model's forward cost relative to the target's, from parameter counts unless
 `model_cost` gives it. a = 0 runs no neural forward (plain decoding where MaG matches
 nothing): chosen once the target accepts too little for the model to pay. Nothing here is
@@ -65,6 +68,8 @@ class AutoCascade:
 
 
 class AutoCascadeDecoder(CascadeDecoder):
+    track_sources = True  # alpha is the target's rate on the model's tokens alone
+
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
                  model_cost: float):
         super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
@@ -79,7 +84,9 @@ class AutoCascadeDecoder(CascadeDecoder):
         if self.neural_source is None:
             return budgets, cap
         cfg, m = self.config, self.mag_tokens
-        alpha, beta = self._rate(state.metrics, 0, state), self._rate(state.metrics, 1, state)
+        counts, model = state.metrics, self.neural_source.index
+        alpha = self._rate(counts.source_accepted.get(model, 0), counts.source_checked.get(model, 0), state)
+        beta = self._rate(counts.level_accepted.get(1, 0), counts.level_drafted.get(1, 0), state)
         a = self.grid.to(alpha.dtype)[None, :]  # [1, G]
         tokens = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
         reviews = torch.ceil(a / (1 + beta[:, None] * m))
@@ -88,9 +95,7 @@ class AutoCascadeDecoder(CascadeDecoder):
         budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[best])
         return budgets, cap
 
-    def _rate(self, metrics, level: int, state: DecodeState) -> torch.Tensor:
-        """[B] counted acceptance rate at `level` (0: the target, 1: the model), with the prior."""
+    def _rate(self, accepted, counted, state: DecodeState) -> torch.Tensor:
+        """[B] accepted / counted (per-row tensors or 0) with the prior rate 0.5 worth `prior` tokens."""
         zero = torch.zeros(state.batch, dtype=torch.float32, device=state.pending.device)
-        accepted = zero + metrics.level_accepted.get(level, 0)
-        drafted = zero + metrics.level_drafted.get(level, 0)
-        return (accepted + 0.5 * self.config.prior) / (drafted + self.config.prior)
+        return (zero + accepted + 0.5 * self.config.prior) / (zero + counted + self.config.prior)

@@ -140,12 +140,28 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     scheduler._admit()
     state = scheduler.state
     scheduler.close()
-    state.metrics = StepMetrics(level_accepted={0: torch.tensor([1000, 0]), 1: torch.tensor([1000, 0])},
-                                level_drafted={0: torch.tensor([1000, 1000]), 1: torch.tensor([1000, 1000])})
+    model = decoder.neural_source.index
+    state.metrics = StepMetrics(level_accepted={1: torch.tensor([1000, 0])}, level_drafted={1: torch.tensor([1000, 1000])},
+                                source_accepted={model: torch.tensor([1000, 0])},
+                                source_checked={model: torch.tensor([1000, 1000])})
     budgets, _ = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
     budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
     assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
+
+
+def test_per_source_counts_stop_at_the_first_rejection():
+    """record_sources: a source's tokens count as checked up to the first rejected slot of the row
+    (the tokens after it were never judged), as accepted before it; inactive rows count nothing."""
+    from csd_engine.strategies.base import StepMetrics
+    m = StepMetrics()
+    origin = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, -1, -1]])
+    length, accepted = torch.tensor([5, 5, 5, 3]), torch.tensor([1, 3, 5, 3])
+    m.record_sources(origin, length, accepted, torch.tensor([True, True, True, False]), [0, 1])
+    assert m.source_accepted[0].tolist() == [1, 2, 2, 0] and m.source_checked[0].tolist() == [2, 2, 2, 0]
+    assert m.source_accepted[1].tolist() == [0, 1, 3, 0] and m.source_checked[1].tolist() == [0, 2, 3, 0]
+    m.reset_rows(torch.tensor([False, False, True, False]))
+    assert m.source_checked[1].tolist() == [0, 2, 0, 0]
 
 
 def test_tree_at_the_top_level_greedy_fuzz(models):
