@@ -13,6 +13,8 @@ One program per row walks the searched positions in blocks of BLOCK; everything 
 shapes and host ints only, so a call can be captured in a CUDA graph. Ties between equally long
 matches go to the leftmost occurrence (the spec's) or the rightmost, as in the reference.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,12 @@ def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigr
     tl.store(out_match_ptr + row, match)
 
 
+@functools.cache  # a CPU tensor per call costs host time on a hot path; the pairs seen are few
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (as a comparison with a tensor of that dtype rounds it)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
 def mag_propose(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
                 bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
                 min_bigram_prob: float, leftmost: bool, copy_passes: int):
@@ -111,7 +119,7 @@ def mag_propose(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tens
     if batch == 0:
         return proposal, length, match
     has_bigram = bigram is not None
-    threshold = float(torch.tensor(min_bigram_prob, dtype=bigram_prob.dtype)) if has_bigram else 0.0
+    threshold = _rounded(min_bigram_prob, bigram_prob.dtype) if has_bigram else 0.0
     _mag_kernel[(batch,)](
         tokens, tokens.stride(0), end.contiguous(), history_end.contiguous(),
         bigram if has_bigram else tokens, bigram_prob if has_bigram else tokens,
