@@ -34,11 +34,10 @@ from bench.common import print_table  # noqa: E402
 from bench.tiny import perturbed, tiny_qwen2  # noqa: E402
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
+from csd_engine.host_reads import is_host_read, reading_python_values  # noqa: E402
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
-DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-                  aten.unique_consecutive, aten.repeat_interleave}
 VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
 STRATEGIES = {  # name: (drafters, strategy)
     "autoregressive": ((), Autoregressive()),
@@ -84,7 +83,7 @@ class Counting(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in DATA_DEPENDENT:
+        if is_host_read(func, args):
             self.counts["host_reads"] += 1
         where = category(sys._getframe(1))
         self.counts[where] += 1
@@ -109,20 +108,12 @@ class Counted:
     def _counted(self, fn, is_step):
         def run(*args, **kwargs):
             self.counts["steps"] += is_step
-            tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
 
-            def read(original):
-                def wrapped(tensor, *a, **kw):
-                    self.counts["host_reads"] += 1
-                    return original(tensor, *a, **kw)
-                return wrapped
+            def read(name):
+                self.counts["host_reads"] += 1
 
-            torch.Tensor.tolist, torch.Tensor.numpy = read(tolist), read(numpy)
-            try:
-                with Counting(self.counts):
-                    return fn(*args, **kwargs)
-            finally:
-                torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+            with reading_python_values(read), Counting(self.counts):
+                return fn(*args, **kwargs)
         return run
 
 

@@ -19,11 +19,8 @@ import csd_engine.scheduler
 import csd_engine.models.llama
 from csd_engine.kernels import sampling
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
+from csd_engine.host_reads import is_host_read, reading_python_values
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
-
-aten = torch.ops.aten
-DATA_DEPENDENT = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-                  aten.unique_consecutive, aten.repeat_interleave}
 
 
 class HostReads(TorchDispatchMode):
@@ -34,31 +31,19 @@ class HostReads(TorchDispatchMode):
         self.reads = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in DATA_DEPENDENT:
-            self.reads.append(str(func))
-        elif func.overloadpacket is aten.index and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
-            self.reads.append("boolean-mask index")
+        read = is_host_read(func, args)
+        if read:
+            self.reads.append(read)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def counting(reads: list):
     mode = HostReads()
-    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
-
-    def patched(name, original):
-        def read(self, *a, **kw):
-            mode.reads.append(name)
-            return original(self, *a, **kw)
-        return read
-
-    torch.Tensor.tolist, torch.Tensor.numpy = patched("tolist", tolist), patched("numpy", numpy)
     try:
-        with mode:
+        with reading_python_values(mode.reads.append), mode:
             yield
     finally:
-        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
         reads += mode.reads
 
 
