@@ -85,9 +85,11 @@ STRATEGIES = {
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
     "pearl": (("d1",), Pearl(gamma=3)),
 }
+# Sampled rows run the Triton verification kernels in the interpreter (seconds per call): a
+# few steps each, still more than one per row (the first step's plan is read apart).
 SETTINGS = {"greedy": SamplingParams(max_new_tokens=10),
-            "sampled": SamplingParams(temperature=1.0, seed=3, max_new_tokens=10),
-            "top-k-top-p": SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=4, max_new_tokens=10)}
+            "sampled": SamplingParams(temperature=1.0, seed=3, max_new_tokens=6),
+            "top-k-top-p": SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=4, max_new_tokens=6)}
 
 
 @pytest.fixture(scope="module")
