@@ -229,9 +229,9 @@ class Models:
         return torch.randint(0, self.sizes.model["vocab_size"], (self.sizes.prompt_tokens,)).tolist()
 
 
-def engine_for(target, drafters, models: Models) -> csd_engine.Engine:
+def engine_for(target, drafters, models: Models, cuda_graphs: bool | str = False) -> csd_engine.Engine:
     return csd_engine.Engine(target, drafters=drafters, dtype=DTYPE, device=models.device, max_batch_size=1,
-                             max_seq_len=models.sizes.max_seq_len)
+                             max_seq_len=models.sizes.max_seq_len, cuda_graphs=cuda_graphs)
 
 
 # -- 4. autoregressive tokens/s -------------------------------------------------------------------
@@ -336,6 +336,35 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
                              mag_ms=split.get("mag", 0.0),
                              other_ms=timed_seconds / steps * 1e3 - sum(split.values())))
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
+    if graphs:
+        rows += step_graph_rows(models, strategies, prompt, params)
+    return rows
+
+
+def step_graph_rows(models: Models, strategies, prompt, params) -> list[dict]:
+    """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
+    parts are not timed apart). Its tokens must equal the eager engine's (greedy)."""
+    rows = []
+    for name, strategy, with_mag in strategies:
+        target, drafter = models.target_runner, models.drafter_runner
+        row = dict(strategy=name, variant="one graph per step")
+        try:
+            eager = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
+            reference = eager.generate([prompt], params, strategy=strategy)[0].token_ids
+            engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, cuda_graphs="step")
+            engine.generate([prompt], params, strategy=strategy)  # warm-up: every key is captured
+            result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], models.device)
+            row.update(tokens_per_s=result.metrics.new_tokens / seconds,
+                       ms_per_step=seconds / result.metrics.target_forwards * 1e3,
+                       mean_accepted=result.metrics.mean_accepted_tokens,
+                       same_tokens_as_eager=result.token_ids == reference)
+            progress(f"step graphs {name}: {row['ms_per_step']:.2f} ms/step, same tokens: {row['same_tokens_as_eager']}")
+        except Exception as error:  # noqa: BLE001 - recorded, the other rows still run
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+            progress(f"step graphs {name}: FAILED {row['error']}")
+        finally:
+            target.attention_backend = drafter.attention_backend = "sdpa"
+        rows.append(row)
     return rows
 
 

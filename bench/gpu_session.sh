@@ -39,7 +39,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   { timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels \
       tests/models/test_llama.py::test_fused_kernels_give_the_plain_path_logits tests/strategies/test_host_reads.py
     # tests/serving imports fastapi and openai, which the device image lacks (and has no gpu test).
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels --ignore=tests/serving; } \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels --ignore=tests/serving; } \
     2>&1 | tee "$OUT/pytest-gpu.log" | grep -v "^\." | tail -60
   echo "[gpu_session] tests done at $(( $(date +%s) - start )) s"
 fi

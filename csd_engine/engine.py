@@ -35,7 +35,7 @@ from csd_engine.verifier import Verifier, choose_backend
 class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
-                 tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool = False,
+                 tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool | str = False,
                  fused_kernels: bool | None = None, drafter_device=None, batch_invariant: bool = False):
         if isinstance(drafters, (str, torch.nn.Module)):
             drafters = [drafters]
@@ -56,6 +56,7 @@ class Engine:
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
         self.fused_kernels = fused_kernels
         self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend, fused_kernels)
+        self.cuda_graphs = cuda_graphs
         self.target = maybe_graphed(self.target, cuda_graphs)  # CUDA graphs: native runner on a GPU only
         self.tokenizer = tokenizer or own_tokenizer
         self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
@@ -199,17 +200,12 @@ class Engine:
 
     def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], wall: float,
                  first_token: float) -> Metrics:
-        def at(x):
-            return int(x[row]) if isinstance(x, torch.Tensor) else int(x)
-
-        accepted = at(m.level_accepted.get(0, 0))
-        drafted = at(m.level_drafted.get(0, 0))
-        by_pos, a, d = [], [], []
-        if m.accepted_by_position is not None:
-            a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
-            by_pos = [x / y for x, y in zip(a, d) if y > 0]
-            a, d = a[:len(by_pos)], d[:len(by_pos)]
-        by_level = {lvl: at(m.level_accepted[lvl]) / max(at(m.level_drafted[lvl]), 1) for lvl in m.level_accepted}
+        level_accepted, level_drafted = m.level_accepted[:, row].tolist(), m.level_drafted[:, row].tolist()
+        accepted, drafted = level_accepted[0], level_drafted[0]
+        a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
+        by_pos = [x / y for x, y in zip(a, d) if y > 0]
+        a, d = a[:len(by_pos)], d[:len(by_pos)]
+        by_level = {lvl: level_accepted[lvl] / max(level_drafted[lvl], 1) for lvl in sorted(m.levels)}
         draft_lengths = {} if m.draft_lengths is None else {
             length: rounds for length, rounds in enumerate(m.draft_lengths[row].tolist()) if rounds}
         sizes = [self.target.num_params] + [0 if isinstance(d, MaG) else d.num_params for d in self.drafters]

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from csd_engine.params import SamplingParams
-from csd_engine.strategies.base import DecodeState
+from csd_engine.models.llama import LlamaRunner
+from csd_engine.step_graphs import CudaCapture, StepGraphs
+from csd_engine.strategies.base import DecodeState, StepMetrics
 from csd_engine.text import IncrementalText
 
 
@@ -163,6 +165,7 @@ class Scheduler:
                 runner.cache.reset()
             if hasattr(decoder, "start"):
                 decoder.start(self.state, None)
+            self.step_graphs = self._step_graphs()
         except BaseException:
             self.close()
             raise
@@ -247,7 +250,7 @@ class Scheduler:
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
-        out = self.decoder.step(state, self.plan)
+        out = (self.step_graphs or self.decoder).step(state, self.plan)
         after = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
         models = engine.models()
         nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in models], 1)  # [B, models]
@@ -290,6 +293,20 @@ class Scheduler:
         plan_from = 1 + m + n_models + (m if out.logprobs is not None else 0)
         self.plan = None if next_plan is None else [host[row][plan_from:] for row in range(len(host)) if live[row]]
         return outputs
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """One CUDA graph per step (csd_engine.step_graphs) when the engine asks for it and can:
+        native runners on CUDA and a decoder whose step is device work alone (not Pearl's threads)."""
+        engine = self.engine
+        if engine.cuda_graphs != "step" or engine.device.type != "cuda":
+            return None
+        if not getattr(self.decoder, "step_graphs", True):
+            raise ValueError(f"cuda_graphs='step' cannot capture {type(self.decoder).__name__}'s step (its drafter "
+                             "runs in a thread of its own): use cuda_graphs=True (graphed forwards) for it")
+        if not all(isinstance(r, LlamaRunner) for r in engine.models()):
+            return None  # the generic runner crops its caches on the host: steps run eagerly
+        limit = engine.max_seq_len + self.decoder.max_tokens_per_forward  # the largest max_committed
+        return StepGraphs(self.decoder, len(engine.drafters), limit, CudaCapture(engine.device))
 
     def _live(self) -> list[bool]:
         """Per row: a request decodes there (admitted, its prompt prefilled)."""
@@ -503,7 +520,10 @@ class Scheduler:
             tokens=torch.zeros(rows, self.engine.capacity, dtype=torch.int64, device=dev),
             committed=zeros(torch.int64), pending=zeros(torch.int64), active=zeros(torch.bool),
             temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, device=dev),
-            seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True)
+            seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True,
+            metrics=StepMetrics.zeros(rows, dev, levels=1 + len(self.engine.drafters),
+                                      positions=self.decoder.max_tokens_per_forward,
+                                      sources=len(getattr(self.decoder, "sources", ()))))
 
 
 def _runs(rows: list[int]):

@@ -194,11 +194,17 @@ class GraphedRunner(Runner):
         return graph, logits
 
 
-def maybe_graphed(runner, enabled: bool):
-    """What the engine should run: a GraphedRunner when graphs are asked for and possible (a
-    native runner on CUDA), else the runner itself (generic runner, CPU, MaG, or disabled)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"cuda_graphs must be True or False, got {enabled!r}")
+def maybe_graphed(runner, enabled: bool | str):
+    """What the engine should run: a GraphedRunner when graphed forwards are asked for and
+    possible (a native runner on CUDA), else the runner itself (generic runner, CPU, MaG, or
+    disabled). With "step" (whole steps graphed, csd_engine.step_graphs) a native CUDA runner
+    switches to the Triton attention, whose launch does not depend on the host's kv_bound."""
+    if not (isinstance(enabled, bool) or enabled == "step"):
+        raise TypeError(f"cuda_graphs must be False, True (graphed forwards) or 'step' (one graph per "
+                        f"decoding step), got {enabled!r}")
     if enabled and isinstance(runner, LlamaRunner) and runner.device.type == "cuda":
+        if enabled == "step":
+            runner.attention_backend = "triton"
+            return runner
         return GraphedRunner(runner)
     return runner

@@ -51,7 +51,7 @@ class DecodeState:
     any_filtered: bool = True  # some row uses top-k / top-p (host-known: lets drafters skip the cut-off search)
     max_top_k: int | None = None  # largest top_k of a row (host-known: a top-k cut-off without a full sort)
     want_logprobs: bool = False  # some row asked for its tokens' log-probabilities (host-known)
-    metrics: "StepMetrics" = field(default_factory=lambda: StepMetrics())
+    metrics: "StepMetrics | None" = None  # the scheduler allocates it (StepMetrics.zeros)
 
     @property
     def batch(self) -> int:
@@ -84,20 +84,32 @@ class StepOutput:
 
 @dataclass
 class StepMetrics:
-    """Counters a strategy accumulates per row (device tensors, read once at the end)."""
+    """Per-row counters in device tensors allocated once per decode state and only ever added
+    to in place (a step replayed as a CUDA graph adds into the same buffers), read once at the
+    end; and host counts of forwards."""
 
+    level_accepted: torch.Tensor  # [levels, B] tokens accepted in the reviews at level l (0: the target)
+    level_drafted: torch.Tensor  # [levels, B] tokens those reviews were offered
+    accepted_by_position: torch.Tensor  # [B, P] the target's accepted count per draft position
+    drafted_by_position: torch.Tensor  # [B, P]
+    # per top-level cascade source (Source.index), [S, B]: its draft tokens the target accepted, and
+    # checked (accepted, or the first rejected one): accepted / checked is the source's per-token rate
+    source_accepted: torch.Tensor
+    source_checked: torch.Tensor
+    draft_lengths: torch.Tensor | None = None  # [B, L] rounds in which row b offered the target l draft tokens
+    levels: set = field(default_factory=set)  # the levels that recorded a review (host-known)
     target_forwards: int = 0
     drafter_forwards: list = field(default_factory=list)  # per drafter level
-    accepted_by_position: torch.Tensor | None = None  # [B, P] accepted count per draft position
-    drafted_by_position: torch.Tensor | None = None
-    level_accepted: dict = field(default_factory=dict)  # level -> [B]
-    level_drafted: dict = field(default_factory=dict)
-    draft_lengths: torch.Tensor | None = None  # [B, L] rounds in which row b offered the target l draft tokens
-    # per top-level cascade source (Source.index) -> [B]: its draft tokens the target accepted, and
-    # checked (accepted, or the first rejected one): accepted / checked is the source's per-token rate
-    source_accepted: dict = field(default_factory=dict)
-    source_checked: dict = field(default_factory=dict)
     wait_time_s: dict = field(default_factory=dict)  # side -> seconds it waited for the other (parallel strategies)
+
+    @classmethod
+    def zeros(cls, batch: int, device, levels: int = 1, positions: int = 1, sources: int = 0) -> "StepMetrics":
+        """Counters for `batch` rows: `levels` review levels (the target and each drafter),
+        `positions` draft positions at the target (a bound on any draft's width), `sources`
+        cascade sources."""
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(z(levels, batch), z(levels, batch), z(batch, positions), z(batch, positions),
+                   z(sources, batch), z(sources, batch))
 
     def count_drafter(self, drafter: int, n: int = 1) -> None:
         """Count forwards of drafter `drafter` (an index into the engine's drafters)."""
@@ -107,14 +119,11 @@ class StepMetrics:
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Zero the per-row counters of `rows` ([B] bool): a new request takes those rows."""
-        for counters in (self.level_accepted, self.level_drafted, self.source_accepted, self.source_checked):
-            for level, value in counters.items():
-                if isinstance(value, torch.Tensor):
-                    counters[level] = value.masked_fill(rows, 0)
-        for name in ("accepted_by_position", "drafted_by_position", "draft_lengths"):
-            value = getattr(self, name)
-            if value is not None:
-                value.masked_fill_(rows[:, None], 0)
+        for per_row in (self.level_accepted, self.level_drafted, self.source_accepted, self.source_checked):
+            per_row.masked_fill_(rows[None, :], 0)
+        for per_position in (self.accepted_by_position, self.drafted_by_position, self.draft_lengths):
+            if per_position is not None:
+                per_position.masked_fill_(rows[:, None], 0)
 
     def record_sources(self, origin: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor,
                        active: torch.Tensor, sources) -> None:
@@ -126,8 +135,8 @@ class StepMetrics:
         checked = live & (pos <= accepted[:, None]) & (pos < length[:, None])
         for s in sources:
             mine = origin == s
-            self.source_accepted[s] = self.source_accepted.get(s, 0) + (took & mine).sum(1)
-            self.source_checked[s] = self.source_checked.get(s, 0) + (checked & mine).sum(1)
+            self.source_accepted[s] += (took & mine).sum(1)
+            self.source_checked[s] += (checked & mine).sum(1)
 
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
@@ -135,24 +144,21 @@ class StepMetrics:
     def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor,
                max_drafted: int = 0) -> None:
         """Per-row accepted/drafted counts of one review at `level` (0 = the target).
-        max_drafted: a host-known bound on drafted (sizes the per-position counters)."""
+        max_drafted: a host-known bound on drafted (the per-position counters it touches)."""
         a = accepted.to(torch.int64) * active
         d = drafted.to(torch.int64) * active
-        self.level_accepted[level] = self.level_accepted.get(level, 0) + a
-        self.level_drafted[level] = self.level_drafted.get(level, 0) + d
+        self.levels.add(level)
+        self.level_accepted[level] += a
+        self.level_drafted[level] += d
         if level != 0:
             return
         width = max(max_drafted, 1)
+        if width > self.accepted_by_position.shape[1]:
+            raise ValueError(f"a draft of up to {width} tokens, but the metrics count {self.accepted_by_position.shape[1]} "
+                             "positions: allocate StepMetrics with the decoder's max_tokens_per_forward")
         pos = torch.arange(width, device=accepted.device)[None, :]
-        acc_pos = (pos < a[:, None]).to(torch.int64)
-        drf_pos = (pos < d[:, None]).to(torch.int64)
-        if self.accepted_by_position is None or self.accepted_by_position.shape[1] < width:
-            pad = width - (0 if self.accepted_by_position is None else self.accepted_by_position.shape[1])
-            zeros = torch.zeros(a.shape[0], pad, dtype=torch.int64, device=a.device)
-            self.accepted_by_position = zeros if self.accepted_by_position is None else torch.cat([self.accepted_by_position, zeros], 1)
-            self.drafted_by_position = zeros.clone() if self.drafted_by_position is None else torch.cat([self.drafted_by_position, zeros], 1)
-        self.accepted_by_position[:, :width] += acc_pos
-        self.drafted_by_position[:, :width] += drf_pos
+        self.accepted_by_position[:, :width] += pos < a[:, None]
+        self.drafted_by_position[:, :width] += pos < d[:, None]
 
 
 def require_one_device(models: Models, strategy: str) -> None:

@@ -180,6 +180,15 @@ class CascadeDecoder:
 
     plan = plan_rows  # the engine calls decoder.plan(state)
 
+    def graph_columns(self, columns: tuple) -> tuple:
+        """The plan's column maxima as a step graph's key (csd_engine.step_graphs), with fewer
+        distinct values and the same results: each drafter's lag (a bound: the catch-up forward
+        pads) rounded up to a power of two, and 0 in a step without reviews (nothing reads it)."""
+        n = len(self.models.drafters)
+        lags, rounds = columns[:n], columns[n:-1]
+        lags = tuple(0 if not any(rounds) or x == 0 else 1 << (x - 1).bit_length() for x in lags)
+        return lags + tuple(rounds) + columns[-1:]
+
     def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """([B] bool: the row goes direct, [B] int64: the widest draft the row can fill)."""
         if not self.direct_match:

@@ -85,8 +85,8 @@ class AutoCascadeDecoder(CascadeDecoder):
             return budgets, cap
         cfg, m = self.config, self.mag_tokens
         counts, model = state.metrics, self.neural_source.index
-        alpha = self._rate(counts.source_accepted.get(model, 0), counts.source_checked.get(model, 0), state)
-        beta = self._rate(counts.level_accepted.get(1, 0), counts.level_drafted.get(1, 0), state)
+        alpha = self._rate(counts.source_accepted[model], counts.source_checked[model])
+        beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])
         a = self.grid.to(alpha.dtype)[None, :]  # [1, G]
         tokens = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
         reviews = torch.ceil(a / (1 + beta[:, None] * m))
@@ -95,7 +95,6 @@ class AutoCascadeDecoder(CascadeDecoder):
         budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[best])
         return budgets, cap
 
-    def _rate(self, accepted, counted, state: DecodeState) -> torch.Tensor:
-        """[B] accepted / counted (per-row tensors or 0) with the prior rate 0.5 worth `prior` tokens."""
-        zero = torch.zeros(state.batch, dtype=torch.float32, device=state.pending.device)
-        return (zero + accepted + 0.5 * self.config.prior) / (zero + counted + self.config.prior)
+    def _rate(self, accepted: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+        """[B] accepted / counted (per-row counts) with the prior rate 0.5 worth `prior` tokens."""
+        return (accepted + 0.5 * self.config.prior) / (counted + self.config.prior)

@@ -98,6 +98,8 @@ def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, n
 
 
 class PearlDecoder:
+    step_graphs = False  # its drafter runs in a worker thread: the step is not one stream's device work
+
     def __init__(self, engine, gamma: int, drafter_index: int, adaptive: bool):
         self.target = engine.target
         self.drafter = engine.drafters[drafter_index]
@@ -188,7 +190,8 @@ class PearlDecoder:
                                    committed=self.drafter.cache.lengths.clone(), active=state.active.to(dd),
                                    temperature=state.temperature.to(dd), top_k=state.top_k.to(dd),
                                    top_p=state.top_p.to(dd), seed=state.seed.to(dd), offset=state.offset.to(dd),
-                                   max_committed=state.max_committed + self.gamma - 1, metrics=StepMetrics())
+                                   max_committed=state.max_committed + self.gamma - 1,
+                                   metrics=StepMetrics.zeros(state.batch, dd))  # drafter counts only: discarded
             draft = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
         return draft.tokens, draft.q, time.perf_counter()
 

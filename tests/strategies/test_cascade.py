@@ -141,9 +141,11 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     state = scheduler.state
     scheduler.close()
     model = decoder.neural_source.index
-    state.metrics = StepMetrics(level_accepted={1: torch.tensor([1000, 0])}, level_drafted={1: torch.tensor([1000, 1000])},
-                                source_accepted={model: torch.tensor([1000, 0])},
-                                source_checked={model: torch.tensor([1000, 1000])})
+    state.metrics = StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources))
+    state.metrics.level_accepted[1] = torch.tensor([1000, 0])
+    state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
+    state.metrics.source_accepted[model] = torch.tensor([1000, 0])
+    state.metrics.source_checked[model] = torch.tensor([1000, 1000])
     budgets, _ = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
     budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
@@ -154,7 +156,7 @@ def test_per_source_counts_stop_at_the_first_rejection():
     """record_sources: a source's tokens count as checked up to the first rejected slot of the row
     (the tokens after it were never judged), as accepted before it; inactive rows count nothing."""
     from csd_engine.strategies.base import StepMetrics
-    m = StepMetrics()
+    m = StepMetrics.zeros(4, "cpu", sources=2)
     origin = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, -1, -1]])
     length, accepted = torch.tensor([5, 5, 5, 3]), torch.tensor([1, 3, 5, 3])
     m.record_sources(origin, length, accepted, torch.tensor([True, True, True, False]), [0, 1])
