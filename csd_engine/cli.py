@@ -29,6 +29,7 @@ from csd_engine import AutoCascade, Autoregressive, Cascade, Engine, Pearl, Samp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CUDA_GRAPHS = {"off": False, "forward": True, "step": "step"}  # --cuda-graphs -> Engine(cuda_graphs=...)
 # name -> (what builds it, the class whose keyword arguments it takes)
 STRATEGIES = {
     "autoregressive": (Autoregressive, Autoregressive),
@@ -149,6 +150,9 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--branching", default=None, help="staged: children per depth as JSON, e.g. '[4,2,1,1]'")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)
+    g.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="off",
+                   help="on a GPU with native runners: 'forward' replays each forward from a CUDA graph, 'step' "
+                        "each whole decoding step (not pearl); ignored on a CPU (default off)")
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="csd_engine's log messages on stderr (model builds, progress)")
@@ -198,7 +202,8 @@ def main(argv=None) -> int:
             raise ValueError("--stream prints one prompt's text as it comes: give one --prompt and no --json")
         strategy = build_strategy(args)
         engine = Engine(target=args.target, drafters=args.drafter, device=args.device,
-                        dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt), max_seq_len=args.max_seq_len)
+                        dtype=DTYPES[args.dtype], max_batch_size=len(args.prompt), max_seq_len=args.max_seq_len,
+                        cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
         prompts = args.prompt
         if args.chat:
             if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
@@ -262,7 +267,7 @@ def serve(args) -> int:
         strategy = build_strategy(args)
         engine = Engine(target=args.target, drafters=args.drafter, device=args.device, dtype=DTYPES[args.dtype],
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
         async_engine = AsyncEngine(engine, strategy, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk)
     except (ValueError, TypeError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)

@@ -68,6 +68,11 @@ def test_every_strategy_through_its_json_config_gives_greedy_tokens(tmp_path, ca
                {"pearl": {"gamma": 3, "adaptive": False}}]
     for config in configs:
         assert _generate(common + ["--strategy-config", json.dumps(config)], capsys) == reference, config
+    # --cuda-graphs reaches the engine (on a CPU its steps run eagerly: the same tokens)
+    assert _generate(common + ["--strategy", "speculative", "--cuda-graphs", "step"], capsys) == reference
+    with pytest.raises(SystemExit):
+        main(common + ["--cuda-graphs", "always"])
+    assert "invalid choice: 'always'" in capsys.readouterr().err
 
 
 def test_json_configs_become_the_strategy_dataclasses():
