@@ -39,8 +39,8 @@ from functools import cached_property
 
 if __package__ in (None, ""):  # run as `python bench/gpu.py`: make the `bench` package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "--dry-run" in sys.argv:  # Triton reads this when the kernels are defined: before importing them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if __name__ == "__main__" and "--dry-run" in sys.argv:  # Triton reads this when the kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before importing them); not when another script imports us
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
