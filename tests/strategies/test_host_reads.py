@@ -86,7 +86,11 @@ STRATEGIES = {
     "pearl": (("d1",), Pearl(gamma=3)),
 }
 # Sampled rows run the Triton verification kernels in the interpreter (seconds per call): a
-# few steps each, still more than one per row (the first step's plan is read apart).
+# few steps each, still more than one per row (the first step's plan is read apart). Their
+# launchers take the same path whatever the strategy, so the sampled settings use the Triton
+# verifier with the strategies that call every launcher path (chain without and with q and
+# lenience, tree), the PyTorch references with the others.
+TRITON_SAMPLED = ("speculative-model", "cascade", "cascade-tree")
 SETTINGS = {"greedy": SamplingParams(max_new_tokens=10),
             "sampled": SamplingParams(temperature=1.0, seed=3, max_new_tokens=6),
             "top-k-top-p": SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=4, max_new_tokens=6)}
@@ -107,8 +111,9 @@ def test_a_step_reads_nothing_back(models, name, setting, batch, monkeypatch):
     read_host = csd_engine.scheduler.read_host
     monkeypatch.setattr(csd_engine.scheduler, "read_host", lambda t: engine_reads.append(1) or read_host(t))
     drafters, strategy = STRATEGIES[name]
+    backend = "triton" if setting == "greedy" or name in TRITON_SAMPLED else "torch"
     engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
-                    max_batch_size=batch, max_seq_len=64)
+                    max_batch_size=batch, max_seq_len=64, verify_backend=backend)
     prompts = random_prompts(batch, lo=2, hi=12, seed=61)
     prompts[0] = (prompts[0][:3] * 5)[:12]  # MaG matches
     reads, steps = [], []
