@@ -343,7 +343,8 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
 
 def step_graph_rows(models: Models, strategies, prompt, params) -> list[dict]:
     """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
-    parts are not timed apart). Its tokens must equal the eager engine's (greedy)."""
+    parts are not timed apart). Its tokens must equal the eager engine's (greedy). Graphs live
+    as long as their scheduler (a server's one): the warm-up request and the timed one share it."""
     rows = []
     for name, strategy, with_mag in strategies:
         target, drafter = models.target_runner, models.drafter_runner
@@ -352,8 +353,17 @@ def step_graph_rows(models: Models, strategies, prompt, params) -> list[dict]:
             eager = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
             reference = eager.generate([prompt], params, strategy=strategy)[0].token_ids
             engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, cuda_graphs="step")
-            engine.generate([prompt], params, strategy=strategy)  # warm-up: every key is captured
-            result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], models.device)
+            with engine.scheduler(strategy, rows=1) as scheduler:
+                def one_request():
+                    scheduler.add(prompt, params)
+                    done = []
+                    while scheduler.has_unfinished():
+                        done += [out.result for out in scheduler.step() if out.finished]
+                    return done[0]
+
+                one_request()  # warm-up: its steps' keys are captured
+                result, seconds = wall_s(one_request, models.device)
+                row["graphs"] = len(scheduler.step_graphs.graphs) if scheduler.step_graphs else 0
             row.update(tokens_per_s=result.metrics.new_tokens / seconds,
                        ms_per_step=seconds / result.metrics.target_forwards * 1e3,
                        mean_accepted=result.metrics.mean_accepted_tokens,
@@ -638,7 +648,8 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("ms_per_step", "ms/step", ".2f"), ("mean_accepted", "MAT", ".2f"),
                        ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
                        ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
-                       ("sample_ms", "sample", ".2f"), ("mag_ms", "MaG", ".2f"), ("other_ms", "other", ".2f")])
+                       ("sample_ms", "sample", ".2f"), ("mag_ms", "MaG", ".2f"), ("other_ms", "other", ".2f"),
+                       ("graphs", "graphs", "d"), ("same_tokens_as_eager", "= eager", "")])
 
     if "pearl" in wanted:
         pearl = report.run("pearl", lambda: bench_pearl(models))
