@@ -181,13 +181,14 @@ class CascadeDecoder:
     plan = plan_rows  # the engine calls decoder.plan(state)
 
     def graph_columns(self, columns: tuple) -> tuple:
-        """The plan's column maxima as a step graph's key (csd_engine.step_graphs), with fewer
-        distinct values and the same results: each drafter's lag (a bound: the catch-up forward
-        pads) rounded up to a power of two, and 0 in a step without reviews (nothing reads it)."""
+        """The plan's column maxima as a step graph's key (csd_engine.step_graphs): the drafters'
+        lags are 0 in a step without reviews (nothing reads them there; they grow every step a
+        drafter sits out). Not rounded up: a wider catch-up feed could write past the cache's
+        headroom for a row near max_seq_len."""
         n = len(self.models.drafters)
-        lags, rounds = columns[:n], columns[n:-1]
-        lags = tuple(0 if not any(rounds) or x == 0 else 1 << (x - 1).bit_length() for x in lags)
-        return lags + tuple(rounds) + columns[-1:]
+        if any(columns[n:-1]):
+            return columns
+        return (0,) * n + columns[n:]
 
     def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """([B] bool: the row goes direct, [B] int64: the widest draft the row can fill)."""
