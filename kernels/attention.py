@@ -196,7 +196,7 @@ def _check_inputs(q, k_cache, v_cache, cache_lens, tree_mask) -> None:
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
                     tree_mask: torch.Tensor | None = None, scale: float | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, block_rows: int | None = None) -> torch.Tensor:
     """Attention of n new tokens per row over their row's cache prefix and each other.
 
     q           [B, n, Hq, D]   fp32 / bf16 / fp16; D a power of two in 16..128
@@ -208,6 +208,9 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                 None = causal (j <= i). Prefix slots are always visible.
     scale       softmax scale, default 1 / sqrt(D)
     num_splits  chunks of the KV range per (row, KV head); default fills the GPU
+    block_rows  (query token, head) rows per tile, a power of two in 16..64; default the
+                smallest that holds n x group rows. Fixing it keeps a row's arithmetic the same
+                at any step width (BLAS and MMA tiles can reduce in another order by tile size).
     returns     [B, n, Hq, D] in q's dtype, accumulated in fp32.
     """
     _check_inputs(q, k_cache, v_cache, cache_lens, tree_mask)
@@ -221,7 +224,11 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows = n * group
     if scale is None:
         scale = head_dim ** -0.5
-    block_rows = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS)  # tl.dot needs >= 16
+    if block_rows is None:
+        block_rows = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_ROWS)  # tl.dot needs >= 16
+    elif block_rows not in (16, 32, 64):
+        raise ValueError(f"block_rows must be 16, 32 or 64 (powers of two in 16..{MAX_BLOCK_ROWS}), "
+                         f"got {block_rows!r}")
     row_blocks = triton.cdiv(rows, block_rows)
     if num_splits is None:
         num_splits = _default_num_splits(batch * kv_heads * row_blocks, capacity, q.device)

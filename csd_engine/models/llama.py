@@ -43,6 +43,7 @@ DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 ROW_BLOCK = 16
 KV_ROUND = 64  # batch-invariant mode: SDPA's key range rounded up to a multiple of this
 INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (fixed by the capacity only)
+INVARIANT_BLOCK_ROWS = 16  # (query token, head) rows per attention tile in batch-invariant mode: any step width
 
 
 class LlamaRunner(Runner):
@@ -152,12 +153,14 @@ class LlamaRunner(Runner):
 
     def make_batch_invariant(self) -> None:
         """A row's logits stop depending on the other rows: fixed-size row blocks through every
-        matmul, and a fixed split of the KV range in the Triton attention (its default split
-        follows the batch); SDPA's key range is rounded up so it never takes its short-range path.
+        matmul, and a fixed KV split and tile height in the Triton attention (its defaults
+        follow the batch and the step width); SDPA's key range is rounded up so it never takes
+        its short-range path.
         Costs the padding of each matmul to a multiple of ROW_BLOCK rows (bench/forward_cost.py)."""
         self.row_block = ROW_BLOCK
         if self.device.type == "cuda":
-            self.attention_backend = "triton"  # its KV split is fixed above; SDPA's CUDA kernels choose their own
+            # Triton's KV split and tile height are fixed above; SDPA's CUDA kernels choose their own.
+            self.attention_backend = "triton"
 
     def _linear(self, x, weight, bias=None):
         return linear(x, weight, bias, self.row_block)
@@ -170,7 +173,8 @@ class LlamaRunner(Runner):
         if self.attention_backend == "triton":
             from csd_engine.kernels.attention import cache_attention
             splits = max(1, k_all.shape[2] // INVARIANT_SPLIT) if self.row_block else None
-            return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits)
+            block_rows = INVARIANT_BLOCK_ROWS if self.row_block else None
+            return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,

@@ -62,11 +62,11 @@ def poison_unread(q, k, v, lens):
     return q, k, v
 
 
-def run_kernel(q, k, v, lens, mask, dtype, device=DEVICE, num_splits=None):
+def run_kernel(q, k, v, lens, mask, dtype, device=DEVICE, num_splits=None, block_rows=None):
     q, k, v = (t.to(device, dtype) for t in poison_unread(q, k, v, lens))
     lens = lens.to(device)
     mask = None if mask is None else mask.to(device)
-    return cache_attention(q, k, v, lens, mask, num_splits=num_splits).cpu()
+    return cache_attention(q, k, v, lens, mask, num_splits=num_splits, block_rows=block_rows).cpu()
 
 
 def run_reference(q, k, v, lens, mask, dtype):
@@ -162,6 +162,16 @@ def test_low_precision_error_bounded_by_pytorch(dtype, tree):
     assert_low_precision_close(out, *case, dtype, seed)
 
 
+@pytest.mark.parametrize("block_rows", [16, 64])
+def test_fixed_tile_height_matches_reference(block_rows):
+    """A fixed tile height (batch-invariant mode): 9 tokens x 4 heads per KV head take three
+    16-row tiles, or one 64-row tile mostly padding; both are the reference attention."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case([0, 37, -1], 9, 8, 2, 16, 96, True, gen)
+    assert_fp32_close(run_kernel(*case, torch.float32, num_splits=2, block_rows=block_rows), *case, seed)
+
+
 def test_rejects_bad_inputs():
     q = torch.zeros(1, 2, 4, 16)
     k = torch.zeros(1, 2, 64, 16)
@@ -178,6 +188,8 @@ def test_rejects_bad_inputs():
         cache_attention(torch.zeros(1, 2, 4, 24), torch.zeros(1, 2, 64, 24), torch.zeros(1, 2, 64, 24), lens)
     with pytest.raises(ValueError, match="num_splits"):
         cache_attention(q, k, k, lens, num_splits=0)
+    with pytest.raises(ValueError, match="block_rows must be 16, 32 or 64"):
+        cache_attention(q, k, k, lens, block_rows=8)
 
 
 @pytest.mark.gpu
