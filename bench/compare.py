@@ -125,7 +125,11 @@ METHODS = {
     "cascade-auto": ("csd_engine Cascade.auto()", lambda s, a: EngineMethod(s.engine, Cascade.auto())),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
+    # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
+    # pearl-overlap runs PEARL's concurrent rounds anyway.
     "pearl": ("csd_engine Pearl(0.5B, gamma={k})", lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0))),
+    "pearl-overlap": ("csd_engine Pearl(0.5B, gamma={k}, overlap=True)",
+                      lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0, overlap=True))),
 }
 
 

@@ -501,7 +501,7 @@ def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
             forward()
             alone[name] = time_ms(forward, device)
         for name, strategy in (("Speculative k=%d" % gamma, csd_engine.Speculative(k=gamma)),
-                               ("Pearl gamma=%d" % gamma, csd_engine.Pearl(gamma=gamma))):
+                               ("Pearl gamma=%d" % gamma, csd_engine.Pearl(gamma=gamma, overlap=True))):
             engine.generate([prompt], params, strategy=strategy)  # warm-up, graph capture
             result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], device)
             m = result.metrics

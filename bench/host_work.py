@@ -51,7 +51,7 @@ STRATEGIES = {  # name: (drafters, strategy)
     "cascade tree (3,2)": (("d1", "mag"), Cascade(k_matrix=((2, 4), (0, 4)), lenience=2.0, mag_tokens=4, tree=(3, 2))),
     "Cascade.auto()": (("d1", "mag"), Cascade.auto()),
     "staged (2,2,1) + MaG": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
-    "pearl gamma=4": (("d1",), Pearl(gamma=4)),
+    "pearl gamma=4": (("d1",), Pearl(gamma=4, overlap=True)),
 }
 DRY_RUN = ("autoregressive", "cascade [[4,2],[0,4]] l=2")
 MODES = {"greedy": dict(), "top-k/top-p": dict(temperature=0.8, top_k=20, top_p=0.9, seed=1)}

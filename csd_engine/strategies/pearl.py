@@ -38,6 +38,9 @@ the GIL inside its ops), on CPU and GPU alike; on CUDA it also runs on a side st
 waits for the main stream before starting, and the main stream waits for it before the
 verification.
 
+One device: `Pearl()` decodes by chain speculative steps (Pearl.overlap); these rounds run
+when the drafter has a device of its own or with `overlap=True`.
+
 Two devices (the published setting, in one process): `Engine(..., drafter_device="cuda:1")`
 builds the drafter there. Each round the worker copies the few inputs it needs (the token
 buffer, pending / carried tokens, the sampling settings) to the drafter's device and the
@@ -54,7 +57,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Models, StepMetrics, StepOutput,
                                         commit, emitted_block, emitted_logprobs, forward_tokens)
-from csd_engine.strategies.speculative import draft_chain
+from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,20 @@ class Pearl:
     """gamma: drafter forwards per round (a draft grows by gamma per accepted round), from
     engine.drafters[drafter], which must be a neural model. adaptive=False turns post-verify
     off (the paper's ablation): after a successful pre-verify the remaining gamma-1 drafts are
-    verified with a bonus token and the row returns to pre-verify, so drafts never exceed gamma."""
+    verified with a bonus token and the row returns to pre-verify, so drafts never exceed gamma.
+
+    overlap: None (default) runs the two sides concurrently only when the drafter has a device
+    of its own (Engine(drafter_device=...)). On one device both stream their weights through
+    the same memory and did not overlap (measured on two CPU cores and on one H100, README):
+    run in turn, a PEARL round costs a chain speculative step and emits fewer tokens (no bonus
+    token, one-token pre-verify rounds), so the rows decode by chain speculative decoding with
+    k = gamma instead (Speculative's step: same greedy tokens, no PEARL metrics). True forces
+    the concurrent rounds, False the chain steps."""
 
     gamma: int = 4
     drafter: int = 0
     adaptive: bool = True
+    overlap: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
@@ -75,6 +87,9 @@ class Pearl:
             raise ValueError(f"Pearl.drafter must be an int >= 0 (an index into engine.drafters), got {self.drafter!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"Pearl.adaptive must be True or False, got {self.adaptive!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"Pearl.overlap must be None (concurrent only with a drafter_device of its own), True "
+                             f"or False, got {self.overlap!r}")
 
     def decoder(self, engine: Models):
         if self.drafter >= len(engine.drafters):
@@ -83,6 +98,13 @@ class Pearl:
         if isinstance(engine.drafters[self.drafter], MaG):
             raise ValueError(f"Pearl needs a neural drafter, but engine.drafters[{self.drafter}] is MaG (it proposes "
                              "on the host, there is no forward to overlap): use Speculative or Cascade with MaG")
+        two_devices = engine.drafter_device != engine.device
+        if self.overlap is False and two_devices:
+            raise ValueError(f"Pearl(overlap=False) runs the drafter and the target in turn on one device, but this "
+                             f"engine puts the drafter on {engine.drafter_device} (target: {engine.device}): use "
+                             "overlap=None or True there")
+        if not (two_devices if self.overlap is None else self.overlap):
+            return SpeculativeDecoder(engine, self.gamma, self.drafter)
         return PearlDecoder(engine, self.gamma, self.drafter, self.adaptive)
 
 

@@ -44,7 +44,7 @@ STRATEGIES = {
                                               direct_tokens=6)),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
-    "pearl": (("d1",), Pearl(gamma=3)),
+    "pearl": (("d1",), Pearl(gamma=3, overlap=True)),
 }
 
 
@@ -158,7 +158,7 @@ FLOOR = {
     "speculative": Speculative(k=4),
     "cascade": Cascade(k_matrix=[[3, 0], [0, 2]], lenience=1, mag_tokens=2),
     "cascade3": Cascade(k_matrix=[[2, 2, 0], [0, 2, 1], [0, 0, 2]], lenience=1, mag_tokens=2),
-    "pearl": Pearl(gamma=3),
+    "pearl": Pearl(gamma=3, overlap=True),
 }
 
 

@@ -83,7 +83,7 @@ STRATEGIES = {
     "cascade-tree": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], mag_tokens=2, tree=(3, 2))),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
-    "pearl": (("d1",), Pearl(gamma=3)),
+    "pearl": (("d1",), Pearl(gamma=3, overlap=True)),
 }
 # Sampled rows run the Triton verification kernels in the interpreter (seconds per call): a
 # few steps each, still more than one per row (the first step's plan is read apart). Their

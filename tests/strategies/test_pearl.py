@@ -50,7 +50,8 @@ def test_greedy_equals_autoregressive(models, batch):
     plain = engine.generate(prompts, params, strategy=Autoregressive())
     for gamma, adaptive in ((1, True), (3, True), (5, True), (3, False)):
         for drafter, noise in enumerate(NOISES):
-            out = engine.generate(prompts, params, strategy=Pearl(gamma=gamma, drafter=drafter, adaptive=adaptive))
+            strategy = Pearl(gamma=gamma, drafter=drafter, adaptive=adaptive, overlap=True)
+            out = engine.generate(prompts, params, strategy=strategy)
             case = f"seed {seed}, gamma {gamma}, adaptive {adaptive}, drafter noise {noise}"
             assert [r.token_ids for r in out] == [r.token_ids for r in plain], case
             for r in out:
@@ -72,8 +73,8 @@ def test_sampling_follows_the_target(models, temperature, top_k, adaptive):
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], max_batch_size=2000, max_seq_len=32, verify_backend="torch")
     gamma = 3
-    results = assert_samples_follow_target(engine, target, [5, 17, 5, 17, 5], Pearl(gamma=gamma, adaptive=adaptive),
-                                           temperature, top_k)
+    strategy = Pearl(gamma=gamma, adaptive=adaptive, overlap=True)
+    results = assert_samples_follow_target(engine, target, [5, 17, 5, 17, 5], strategy, temperature, top_k)
     # The second token comes from post-verify rounds (a carried draft) as well as pre-verify ones.
     assert sum(r.metrics.draft_lengths.get(gamma if adaptive else gamma - 1, 0) for r in results) > 200
     assert sum(r.metrics.accepted for r in results) > 0
@@ -87,7 +88,7 @@ def test_extension_token_follows_the_target(models):
     engine = Engine(target, drafters=[drafters[1]], max_batch_size=2000, max_seq_len=32, verify_backend="torch")
     prompt, draws, base = [5, 17, 5, 17, 5], 2000, fresh_seed()
     params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=base + i) for i in range(draws)]
-    results = engine.generate([prompt] * draws, params, strategy=Pearl(gamma=2))
+    results = engine.generate([prompt] * draws, params, strategy=Pearl(gamma=2, overlap=True))
     # Three accepted drafts in three tokens: e_1 (pre-verify), then e_2 and the extension (post-verify).
     assert sum(r.metrics.accepted == 3 for r in results) > draws // 4
     vocab = target.config.vocab_size
@@ -127,7 +128,7 @@ def test_both_caches_hold_the_committed_sequence_after_many_switches(models):
     params = [SamplingParams(temperature=1.0, max_new_tokens=150, seed=seed + i) for i in range(3)]
     gamma = 3
     checked = 0
-    with engine.scheduler(Pearl(gamma=gamma)) as scheduler:
+    with engine.scheduler(Pearl(gamma=gamma, overlap=True)) as scheduler:
         ids = {scheduler.add(p, q): i for i, (p, q) in enumerate(zip(prompts, params))}
         while scheduler.has_unfinished():
             for out in scheduler.step():
@@ -156,7 +157,7 @@ def test_same_seeds_give_the_same_tokens_despite_threads(models):
     seed = fresh_seed()
     prompts = random_prompts(3, lo=1, hi=14, seed=seed)
     params = [SamplingParams(temperature=0.8, max_new_tokens=10, seed=seed + i) for i in range(3)]
-    runs = [engine.generate(prompts, params, strategy=Pearl(gamma=3)) for _ in range(2)]
+    runs = [engine.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True)) for _ in range(2)]
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids, f"seed {seed}"
         assert a.metrics.draft_lengths == b.metrics.draft_lengths
@@ -172,6 +173,8 @@ def test_bad_configurations_are_refused(models):
         Pearl(drafter=-1)
     with pytest.raises(ValueError, match="adaptive must be"):
         Pearl(adaptive="yes")
+    with pytest.raises(ValueError, match="overlap must be None .*, True or False, got 'yes'"):
+        Pearl(overlap="yes")
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(ValueError, match="needs engine.drafters"):
         Engine(target, max_batch_size=1, max_seq_len=32).generate([[1, 2]], params, strategy=Pearl())
@@ -181,13 +184,38 @@ def test_bad_configurations_are_refused(models):
     with pytest.raises(ValueError, match="neural drafter"):
         engine.generate([[1, 2]], params, strategy=Pearl(drafter=1))
     assert engine.generate([[1, 2]], params, strategy=Pearl(drafter=0))[0].token_ids
+    two = Engine(target, drafters=[drafters[0]], max_batch_size=1, max_seq_len=32, drafter_device="cpu:0")
+    with pytest.raises(ValueError, match=r"Pearl\(overlap=False\) runs the drafter and the target in turn on one "
+                                         "device, but this engine puts the drafter on cpu:0"):
+        two.generate([[1, 2]], params, strategy=Pearl(overlap=False))
+    assert two.generate([[1, 2]], params, strategy=Pearl())[0].token_ids  # still usable
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_on_one_device_pearl_decodes_by_chain_speculative_steps(models, temperature):
+    """overlap=None with the drafter on the target's device: the steps are Speculative(k=gamma)'s
+    (run in turn, a PEARL round would cost as much and emit less), so the tokens, greedy and
+    seeded samples alike, and the forward counts are Speculative's; overlap=True still runs PEARL."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    seed = fresh_seed()
+    prompts = random_prompts(2, lo=2, hi=10, seed=seed)
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, seed=seed)
+    chain, pearl, overlapped = (engine.generate(prompts, params, strategy=s)
+                                for s in (Speculative(k=3), Pearl(gamma=3), Pearl(gamma=3, overlap=True)))
+    for a, b, c in zip(chain, pearl, overlapped):
+        assert a.token_ids == b.token_ids, f"seed {seed}"
+        assert (a.metrics.target_forwards, a.metrics.drafter_forwards) == \
+            (b.metrics.target_forwards, b.metrics.drafter_forwards)
+        assert not b.metrics.draft_lengths and c.metrics.draft_lengths  # PEARL's round histogram: overlapped only
 
 
 @pytest.mark.gpu
 def test_greedy_equals_autoregressive_on_cuda_streams(models):
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], device="cuda", max_batch_size=3, max_seq_len=96)
-    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()), Pearl(gamma=3))
+    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()),
+                                        Pearl(gamma=3, overlap=True))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -205,8 +233,8 @@ def test_drafter_on_its_own_device_gives_the_same_tokens(models, temperature):
     two = Engine(target, drafters=[drafters[1], "mag"], max_batch_size=2, max_seq_len=64, verify_backend="torch",
                  drafter_device="cpu:0")
     assert two.drafters[0].device == torch.device("cpu:0") != two.device
-    expected = one.generate(prompts, params, strategy=Pearl(gamma=3))
-    assert [r.token_ids for r in two.generate(prompts, params, strategy=Pearl(gamma=3))] == \
+    expected = one.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))
+    assert [r.token_ids for r in two.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))] == \
         [r.token_ids for r in expected], f"seed {seed}"
     for strategy in (Speculative(k=2), Cascade(k_matrix=[[2, 2], [0, 2]]), Cascade.auto(), Staged()):
         with pytest.raises(ValueError, match="drafter_device"):
@@ -221,4 +249,5 @@ def test_target_on_the_cpu_and_drafter_on_cuda_equals_autoregressive(models):
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], device="cpu", drafter_device="cuda", max_batch_size=3,
                     max_seq_len=96, verify_backend="torch")
-    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()), Pearl(gamma=3))
+    assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()),
+                                        Pearl(gamma=3, overlap=True))

@@ -112,7 +112,7 @@ def test_pearl_refuses_step_graphs_with_a_clear_error(models, monkeypatch):
     """Pearl's drafter runs in a thread of its own: on a GPU its step cannot be one graph."""
     engine = Engine(models["target"], drafters=[models["d1"]], max_batch_size=1, max_seq_len=32,
                     verify_backend="torch", cuda_graphs="step")
-    with engine.scheduler(Pearl(gamma=2)) as scheduler:
+    with engine.scheduler(Pearl(gamma=2, overlap=True)) as scheduler:
         assert scheduler.step_graphs is None  # on the CPU steps run eagerly
         monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the check runs before any CUDA work
         with pytest.raises(ValueError, match="cuda_graphs='step' cannot capture PearlDecoder"):
