@@ -36,7 +36,7 @@ from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
 from csd_engine.strategies.base import (DecodeState, Draft, Models, StepOutput, commit, one_hot,
                                         require_one_device, roll_back_drafters, verify_chain)
-from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan
+from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
 
 
@@ -170,9 +170,11 @@ class CascadeDecoder:
         committed prefix (0 for MaG), then its budget of each neural source (a review adds at
         least one token, so that many review rounds are enough for the row; 0 when the row goes
         direct or drafts nothing), then the widest draft it can fill (a direct row: MaG's
-        proposal length; any other: the plan's bound)."""
-        direct, width = self._direct(state)
+        proposal length; any other: the bound of its own budgets, below the plan's where
+        Cascade.auto lowers a budget, so the target never reads the envelope's masked width)."""
+        direct, proposal = self._direct(state)
         budgets, _ = self.budgets(state, direct)
+        width = torch.where(direct, proposal, draft_bound(self.levels, budgets, self.mag_tokens))
         neural = [budgets[s.index] for s in self.sources if s.below is not None]
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]

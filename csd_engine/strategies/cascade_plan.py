@@ -54,11 +54,31 @@ def compile_plan(k: tuple[tuple[int, ...], ...], is_mag: list[bool], mag_tokens:
             else:
                 below = level([r[i + 1:] for r in rows[i + 1:]], drafter + 1)
                 calls, step = tokens, below.max_growth + 1
-            growth = max(growth, min(growth + calls * step, goal - 1 + step))
+            growth = max(growth, _grown(growth, calls, step, goal))
             sources.append(Source(drafter, tokens, calls, below, index))
         return Level(tuple(sources), growth)
 
     return level(k, 0)
+
+
+def _grown(growth, calls, step, goal):
+    """Bound on a draft after a source's calls: each call adds at most `step` tokens, and the
+    source stops once the draft holds its `goal` (its last call may overshoot by step - 1)."""
+    return min(growth + calls * step, goal - 1 + step) if isinstance(growth, int) else \
+        torch.minimum(growth + calls * step, goal - 1 + step)
+
+
+def draft_bound(plan: Level, budgets: list[torch.Tensor], mag_tokens: int) -> torch.Tensor:
+    """[B]: compile_plan's bound on the top-level draft, per row for the row's own budgets of
+    the top-level sources (<= plan.max_growth; equal when every budget is K's)."""
+    growth = goal = torch.zeros_like(budgets[plan.sources[0].index])
+    for s in plan.sources:
+        b = budgets[s.index]
+        calls, step = (b, s.below.max_growth + 1) if s.below is not None else ((b + mag_tokens - 1) // mag_tokens,
+                                                                               mag_tokens)
+        goal = goal + b
+        growth = torch.where(b > 0, torch.maximum(growth, _grown(growth, calls, step, goal)), growth)
+    return growth
 
 
 def budgets_from_k(plan: Level, batch: int, device) -> list[torch.Tensor]:

@@ -128,6 +128,30 @@ def test_auto_is_lossless(models):
                                  target, [4, 9, 4, 9], Cascade.auto(), temperature=1.0, draws=1500)
 
 
+def test_auto_verifies_no_wider_than_the_rows_budgets(models):
+    """A row that drafts nothing with its model sends the target MaG's tokens only: the target
+    reads pending + 4 tokens, not the envelope's 1 + 13 (K = [[6, 4], [0, 4]]) run masked."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(2, lo=4, hi=10, seed=5)
+    widths, forward = [], engine.target.forward
+
+    def recording(batch):
+        if batch.need_logits:
+            widths.append(batch.input_ids.shape[1])
+        return forward(batch)
+
+    engine.target.forward = recording
+    try:  # a model this costly never pays: every budget is 0
+        out = assert_greedy_equals_autoregressive(
+            engine, prompts, Cascade.auto(max_tokens=6, mag_tokens=4, model_cost=50.0, direct_match=0),
+            max_new_tokens=20)
+    finally:
+        del engine.target.forward
+    assert all(sum(r.metrics.drafter_forwards) == 0 for r in out)
+    assert widths and max(widths) <= 5, widths
+
+
 def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     """Each row picks its own model budget from its counted rates and the fixed costs: a row whose
     drafts the target always accepts drafts as much as allowed with a cheap model; a row whose
