@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SKIP_MODEL=1 bash scripts/setup.sh
 export TRITON_INTERPRET=1 CSD_DEBUG=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# One pytest worker per core (at most 4; CSD_TEST_WORKERS overrides), each test file on one
+# worker so its module fixtures are built once; workers run torch single-threaded (conftest).
+cores=$(nproc)
+workers=${CSD_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"

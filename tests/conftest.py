@@ -10,6 +10,9 @@ os.environ.setdefault("CSD_DEBUG", "1")  # runners check the host-side attention
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, no oversubscription
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
