@@ -71,6 +71,7 @@ class Engine:
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches
+        self._kept_steps = None  # the last scheduler's step graphs (scheduler.KeptSteps), cuda_graphs="step"
 
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):

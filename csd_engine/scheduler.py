@@ -127,6 +127,21 @@ class Request:
     ready: bool = False  # prompt cached: the row decodes
 
 
+@dataclass(eq=False)
+class KeptSteps:
+    """A scheduler's step graphs with what they were captured over (the decoder, the state's
+    tensors). The engine keeps the last scheduler's, so the next one with the same strategy
+    and rows (a later `generate` call) replays them instead of capturing anew; any other
+    scheduler drops them, so nothing they hold (the state, the runners' flags and cache views)
+    is rebound while they are kept."""
+
+    strategy: object
+    rows: int
+    decoder: object
+    state: DecodeState
+    graphs: StepGraphs
+
+
 def _fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
@@ -146,7 +161,10 @@ class Scheduler:
         if not hasattr(strategy, "decoder"):
             raise TypeError(f"unknown strategy {strategy!r}: pass one of csd_engine.Autoregressive, "
                             "Speculative, Cascade, Staged, Pearl")
-        decoder = strategy.decoder(engine._decoder_models())  # validates the strategy against the drafters
+        kept = engine._kept_steps
+        reuse = kept is not None and kept.rows == rows and kept.strategy == strategy
+        # building the decoder validates the strategy against the drafters (a kept one was)
+        decoder = kept.decoder if reuse else strategy.decoder(engine._decoder_models())
         if 2 * decoder.max_tokens_per_forward > HEADROOM:
             # A row can commit up to one forward past its limit in its last step, and a row is
             # fed (masked) once more before it leaves: two forwards must fit.
@@ -158,14 +176,22 @@ class Scheduler:
         self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, prefill_chunk
         self.closed = False
         try:
-            self.state = self._empty_state(rows)
+            engine._kept_steps = None  # kept again below while its graphs stay valid
+            self.state = kept.state if reuse else self._empty_state(rows)
+            if reuse:
+                self.state.clear()
             for runner in engine.models():
                 runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
-                runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
+                if reuse:  # the kept graphs write this very tensor
+                    runner.nonfinite_rows.zero_()
+                else:
+                    runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
                 runner.cache.reset()
             if hasattr(decoder, "start"):
                 decoder.start(self.state, None)
-            self.step_graphs = self._step_graphs()
+            self.step_graphs = kept.graphs if reuse else self._step_graphs()
+            if self.step_graphs is not None:
+                engine._kept_steps = KeptSteps(strategy, rows, decoder, self.state, self.step_graphs)
         except BaseException:
             self.close()
             raise

@@ -13,9 +13,14 @@ compiles, cuBLAS picks its kernels), the second is captured and replayed, later 
 The state, caches and metrics are updated in place (their addresses are what a graph holds);
 a step's StepOutput is the graph's static output, valid until the next step. Host counters
 (forwards per model) are what the captured step counted, added per replay. Graphs of one
-scheduler share a memory pool: they never run at the same time.
+scheduler share a memory pool: they never run at the same time. A key whose capture fails
+(an op CUDA cannot capture) runs eagerly from then on, with a warning: slower, same tokens.
 """
+import logging
+
 import torch
+
+log = logging.getLogger("csd_engine")
 
 COMMITTED_BUCKET = 256  # max_committed is rounded up to a multiple of this in a graph's key
 
@@ -56,6 +61,7 @@ class StepGraphs:
         self.capture = capture
         self.warm: set = set()
         self.graphs: dict = {}
+        self.eager: set = set()  # keys whose capture failed
 
     def key(self, state, plan) -> tuple:
         columns = None if plan is None else tuple(max(column) for column in zip(*plan))
@@ -71,13 +77,22 @@ class StepGraphs:
         plan = None if columns is None else [list(columns)]  # the step reads only the column maxima
         exact, state.max_committed = state.max_committed, bound
         try:
+            if key in self.eager:
+                return self.decoder.step(state, plan)
             if key not in self.warm:
                 self.warm.add(key)
                 return self.capture.warm_up(lambda: self.decoder.step(state, plan))
             metrics, n = state.metrics, self.drafters
             if key not in self.graphs:
                 before = _host_counts(metrics, n)
-                graph, out = self.capture.capture(lambda: self.decoder.step(state, plan))
+                try:
+                    graph, out = self.capture.capture(lambda: self.decoder.step(state, plan))
+                except Exception as exc:  # noqa: BLE001  a capture runs nothing: the step can still run eagerly
+                    _set_host_counts(metrics, before)
+                    self.eager.add(key)
+                    log.warning("cuda_graphs='step': capturing a step of %s failed (%s: %s); steps of this "
+                                "shape run eagerly", type(self.decoder).__name__, type(exc).__name__, exc)
+                    return self.decoder.step(state, plan)
                 self.graphs[key] = graph, out, [a - b for a, b in zip(_host_counts(metrics, n), before)]
                 _set_host_counts(metrics, before)  # counted below, as for every replay
             graph, out, counted = self.graphs[key]

@@ -66,10 +66,12 @@ class EmulatedCapture:
     """Stands in for step_graphs.CudaCapture on the CPU."""
 
     def __init__(self):
+        self.warm_ups = 0
         self.captures = 0
         self.replays = 0  # replays that ran the recorded ops (not the capture's own run)
 
     def warm_up(self, fn):
+        self.warm_ups += 1
         return fn()
 
     def capture(self, fn):

@@ -57,6 +57,17 @@ class DecodeState:
     def batch(self) -> int:
         return self.pending.shape[0]
 
+    def clear(self) -> None:
+        """Every row free and every per-row counter zero, in place (step graphs hold these
+        tensors): what a new state holds, but the host counts of forwards, which only count up."""
+        for per_row in (self.tokens, self.committed, self.pending, self.active, self.temperature, self.top_k,
+                        self.seed, self.offset):
+            per_row.zero_()
+        self.top_p.fill_(1.0)
+        self.max_committed, self.all_greedy, self.any_filtered = 0, True, True
+        self.max_top_k, self.want_logprobs = None, False
+        self.metrics.reset_rows(torch.ones_like(self.active))
+
     def sampling_args(self, stream: int | torch.Tensor = 0) -> dict:
         """Per-row arguments of the verification kernels, with an independent random stream
         per `stream` id (an int, or a [B] tensor of per-row ids), and the host-known hints that

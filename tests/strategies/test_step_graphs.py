@@ -35,10 +35,10 @@ def models():
     return {"target": target, "d1": perturbed(target, noise=0.2, seed=72), "d2": perturbed(target, noise=0.5, seed=73)}
 
 
-def emulated(monkeypatch, captures: list) -> None:
+def emulated(monkeypatch, captures: list, capture_type=EmulatedCapture) -> None:
     """Schedulers replay their steps from emulated graphs (as cuda_graphs='step' on a GPU)."""
     def step_graphs(scheduler):
-        capture = EmulatedCapture()
+        capture = capture_type()
         captures.append(capture)
         limit = scheduler.engine.max_seq_len + scheduler.decoder.max_tokens_per_forward
         return StepGraphs(scheduler.decoder, len(scheduler.engine.drafters), limit, capture)
@@ -95,6 +95,66 @@ def test_the_emulator_catches_a_step_that_keeps_state_in_python(models, monkeypa
     emulated(monkeypatch, [])
     graphed = run(engine, Rebinding(), prompts, params, rows=2)
     assert [r.token_ids for r in graphed] != [r.token_ids for r in eager]
+
+
+def test_a_later_scheduler_replays_the_kept_graphs_and_any_other_drops_them(models, monkeypatch):
+    """The engine keeps the last scheduler's step graphs: the next generate with the same strategy
+    and rows replays them (no warm-up for a shape it has seen) and gives the eager tokens; a
+    scheduler of another strategy or row count drops them and captures its own."""
+    drafters, strategy = STRATEGIES["cascade3"]
+    engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(3, lo=2, hi=12, seed=83)
+    params = SamplingParams(temperature=0.9, top_k=8, seed=5, max_new_tokens=14)
+    eager = [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)]
+    captures = []
+    emulated(monkeypatch, captures)
+    assert [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)] == eager
+    warm_ups, replays = captures[0].warm_ups, captures[0].replays
+    assert [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)] == eager
+    assert len(captures) == 1 and captures[0].warm_ups == warm_ups and captures[0].replays > replays + 10
+    run(engine, strategy, prompts[:1], params, rows=1)
+    run(engine, Autoregressive(), prompts[:1], params, rows=2)
+    assert [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)] == eager
+    assert len(captures) == 4
+
+
+def test_nonfinite_logits_in_a_kept_graphs_replay_end_the_request():
+    """The runners' non-finite flags are the tensors the kept graphs write: a request whose
+    logits go NaN in a replayed step of a later generate ends with a clear error."""
+    broken = tiny_llama(seed=7)
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[5] = float("nan")
+    engine = Engine(broken, max_batch_size=1, max_seq_len=32, verify_backend="torch")
+    captures = []
+    with pytest.MonkeyPatch.context() as patch:
+        emulated(patch, captures)
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6))
+        with pytest.raises(ValueError, match=r"non-finite logits \(NaN or inf\) from the target"):
+            engine.generate([[4, 5, 6]], SamplingParams(max_new_tokens=6))
+    assert len(captures) == 1 and captures[0].replays > 0
+
+
+class FailingCapture(EmulatedCapture):
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_step_whose_capture_fails_runs_eagerly_with_a_warning(models, monkeypatch, caplog):
+    drafters, strategy = STRATEGIES["cascade-tree"]
+    engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(3, lo=2, hi=12, seed=84)
+    params = SamplingParams(max_new_tokens=14)
+    eager = run(engine, strategy, prompts, params, rows=2)
+    emulated(monkeypatch, [], FailingCapture)
+    with caplog.at_level("WARNING", logger="csd_engine"):
+        graphed = run(engine, strategy, prompts, params, rows=2)
+    assert "capturing a step of CascadeDecoder failed (RuntimeError: operation not permitted" in caplog.text
+    for a, b in zip(eager, graphed):
+        assert b.token_ids == a.token_ids
+        assert (b.metrics.target_forwards, b.metrics.drafter_forwards) == (a.metrics.target_forwards,
+                                                                          a.metrics.drafter_forwards)
 
 
 def test_keys_round_max_committed_up_within_the_caches(models):
