@@ -1,14 +1,18 @@
 """Ops of the compiled extension `csd_engine._C`, each with a PyTorch reference it falls back to.
 
 build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/algorithms.md, Token trees).
+dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on CPUs without
+native bf16 arithmetic (csrc/bf16_linear.cpp).
 
 The extension is optional: without it (or without a kernel for the input's device) every op runs
 its reference, after one warning.
 """
 import functools
+import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 try:
     from csd_engine import _C  # noqa: F401  (loading it registers torch.ops.csd_engine.*)
@@ -33,6 +37,7 @@ def _devices_with_kernel(op_name: str) -> frozenset[str]:
 
 
 _TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
+_BF16_LINEAR_DEVICES = _devices_with_kernel("csd_engine::bf16_linear")
 
 
 @functools.cache
@@ -129,3 +134,36 @@ if HAS_EXTENSION:
         return (parents.new_empty(batch, nodes, nodes, dtype=torch.bool),
                 parents.new_empty(batch, nodes),
                 parents.new_empty(batch, nodes, nodes))
+
+
+@functools.cache
+def bf16_kernel_pays() -> bool:
+    """Whether dense_linear takes the extension's bf16 kernel on the CPU: on x86 CPUs without
+    native bf16 arithmetic (AVX2, no avx512_bf16 or AMX), where torch's bf16 matmul reads the
+    weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2 EPYC; the
+    kernel: 1.7x). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
+    forced = os.environ.get("CSD_BF16_LINEAR")
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"CSD_BF16_LINEAR must be 1 (use csd_engine's bf16 CPU kernel) or 0 (torch's), got {forced!r}")
+    if "cpu" not in _BF16_LINEAR_DEVICES:
+        return False
+    if forced:
+        return forced == "1"
+    return torch.cpu._is_avx2_supported() and not (torch.cpu._is_avx512_bf16_supported()
+                                                   or torch.cpu._is_amx_tile_supported())
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias). bf16 on the CPU where bf16_kernel_pays(): csd_engine's kernel,
+    fp32 accumulation like torch's, whose every output row is computed the same way whatever
+    the number of rows in the call (a token's logits do not depend on the draft's width)."""
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays()):
+        return torch.ops.csd_engine.bf16_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+if "cpu" in _BF16_LINEAR_DEVICES:
+    @torch.library.register_fake("csd_engine::bf16_linear")
+    def _bf16_linear_fake(x, weight, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -38,7 +38,8 @@ quantized model's); drafters do (DRAFTER_DENSE_ROWS).
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from csd_engine.ops import dense_linear
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -158,7 +159,7 @@ class QuantizedLinear:
         flat = x.reshape(-1, self.shape[1]).contiguous()
         aten = torch.ops.aten
         if self.dense is not None and flat.shape[0] > self.dense_rows:
-            y = F.linear(flat, self.dense)
+            y = dense_linear(flat, self.dense)
         elif self.bits == 8:
             y = aten._weight_int8pack_mm(flat, self.packed, self.scales)
         elif self.device.type == "cuda":
@@ -183,7 +184,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block:
     zero-padded blocks of exactly `row_block` rows, so every row takes the same kernel with the
     same reduction order whatever else is in the batch (BLAS picks kernels by the row count)."""
     apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
-        (lambda t: F.linear(t, weight, bias))
+        (lambda t: dense_linear(t, weight, bias))
     if not row_block:
         return apply(x)
     flat = x.reshape(-1, x.shape[-1])

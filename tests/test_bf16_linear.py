@@ -1,0 +1,115 @@
+"""csd_engine's bf16 CPU matmul (csrc/bf16_linear.cpp, ops.dense_linear): within the rounding
+of fp32 accumulation of the exact product, every output row the same whatever else shares the
+call, its errors, and when dense_linear takes it."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from csd_engine import ops
+
+needs_kernel = pytest.mark.skipif("cpu" not in ops._BF16_LINEAR_DEVICES,
+                                  reason="csd_engine._C has no bf16_linear CPU kernel (extension not built)")
+SHAPES = [(1, 1, 8), (1, 4, 1536), (2, 6, 24), (3, 37, 37), (5, 8, 64), (6, 9, 200), (7, 5, 31), (13, 40, 96),
+          (17, 12, 256)]  # (rows of x, N, K): every tile (4 or 2 W rows, 1-6 x rows), the scalar rest, a k tail
+
+
+@pytest.fixture
+def gen():
+    seed = time.time_ns() % 2**31
+    return torch.Generator().manual_seed(seed), seed
+
+
+def case(g, m, n, k, bias):
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k, bias, gen):
+    """|y - exact| <= E + 2^-8 (|exact| + E): E = K 2^-24 sum|x w| + |b| 2^-24 bounds the fp32
+    sum (K fused multiply-adds, a lane reduction and the bias, each rounding by at most 2^-24
+    relative), 2^-8 |v| is half a bf16 ulp of the accumulated value v (8 significant bits)."""
+    g, seed = gen
+    x, w, b = case(g, m, n, k, bias)
+    y = torch.ops.csd_engine.bf16_linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    magnitude = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+    e = (k + 4) * 2.0 ** -24 * magnitude
+    err = (y.double() - exact).abs()
+    assert (err <= e + 2.0 ** -8 * (exact.abs() + e)).all(), f"seed {seed}: worst {(err - e).max().item()}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [s for s in SHAPES if s[0] > 1])
+def test_a_row_gives_the_same_bits_alone_and_in_any_call(m, n, k, gen):
+    g, seed = gen
+    x, w, b = case(g, m, n, k, bias=True)
+    together = torch.ops.csd_engine.bf16_linear(x, w, b)
+    for i in range(m):
+        assert torch.equal(torch.ops.csd_engine.bf16_linear(x[i:i + 1], w, b), together[i:i + 1]), f"row {i}, seed {seed}"
+    assert torch.equal(torch.ops.csd_engine.bf16_linear(x[1:], w, b), together[1:]), f"seed {seed}"
+
+
+@needs_kernel
+def test_leading_dimensions_and_strided_input_are_kept(gen):
+    g, _ = gen
+    x, w, b = case(g, 12, 10, 48, bias=True)
+    y = torch.ops.csd_engine.bf16_linear(x.view(3, 4, 48), w, b)
+    assert y.shape == (3, 4, 10) and torch.equal(y.reshape(12, 10), torch.ops.csd_engine.bf16_linear(x, w, b))
+    strided = torch.randn(5, 96, generator=g).to(torch.bfloat16)[:, ::2]
+    assert torch.equal(torch.ops.csd_engine.bf16_linear(strided, w, None),
+                       torch.ops.csd_engine.bf16_linear(strided.contiguous(), w, None))
+    assert torch.ops.csd_engine.bf16_linear(x[:0], w, b).shape == (0, 10)
+
+
+@needs_kernel
+def test_bad_input_names_the_problem():
+    x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="x and weight must be bfloat16, got Float"):
+        torch.ops.csd_engine.bf16_linear(x.float(), w, None)
+    with pytest.raises(ValueError, match=r"x's last dimension \(8\) must equal weight's K \(4\)"):
+        torch.ops.csd_engine.bf16_linear(x, w[:, :4], None)
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[3\]"):
+        torch.ops.csd_engine.bf16_linear(x, w, torch.zeros(4, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_opcheck(gen):
+    g, _ = gen
+    x, w, b = case(g, 3, 5, 16, bias=True)
+    torch.library.opcheck(torch.ops.csd_engine.bf16_linear, (x, w, b))
+
+
+@pytest.mark.parametrize("forced,want", [("1", True), ("0", False)])
+def test_dense_linear_takes_the_kernel_as_forced(forced, want, monkeypatch, gen):
+    g, _ = gen
+    x, w, b = case(g, 5, 6, 40, bias=True)
+    monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        used = ops.bf16_kernel_pays()
+        y = ops.dense_linear(x, w, b)
+        assert used == (want and "cpu" in ops._BF16_LINEAR_DEVICES)
+        assert torch.equal(y, torch.ops.csd_engine.bf16_linear(x, w, b) if used else F.linear(x, w, b))
+        assert torch.equal(ops.dense_linear(x.float(), w.float()), F.linear(x.float(), w.float()))  # float32: torch's
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
+
+
+def test_a_bad_switch_value_names_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv("CSD_BF16_LINEAR", "yes")
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"CSD_BF16_LINEAR must be 1 .* or 0 .*, got 'yes'"):
+            ops.bf16_kernel_pays()
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
