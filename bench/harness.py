@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from csd_engine import ops
+
 HERE = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -213,7 +215,10 @@ def versions() -> dict:
 
 def hardware() -> dict:
     info = {"machine": platform.machine(), "system": platform.system(), "cpu": _cpu_name(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_native_bf16": torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),
+            "csd_bf16_linear": ops.bf16_kernel_pays()}  # bf16 matmuls through csd_engine's CPU kernel
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_count"] = torch.cuda.device_count()
