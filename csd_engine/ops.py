@@ -157,10 +157,16 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear(x, weight, bias). bf16 on the CPU where bf16_kernel_pays(): csd_engine's kernel,
     fp32 accumulation like torch's, whose every output row is computed the same way whatever
     the number of rows in the call (a token's logits do not depend on the draft's width)."""
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays()):
+    if bf16_kernel_takes(x, weight, bias):
         return torch.ops.csd_engine.bf16_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether dense_linear(x, weight, bias) runs csd_engine's kernel (rows computed alike
+    whatever their number: batch-invariant as it is)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays())
 
 
 if "cpu" in _BF16_LINEAR_DEVICES:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import dense_linear
+from csd_engine.ops import bf16_kernel_takes, dense_linear
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -182,10 +182,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block:
 
     row_block > 0: batch-invariant. The rows of x (batch x tokens) go through the matmul in
     zero-padded blocks of exactly `row_block` rows, so every row takes the same kernel with the
-    same reduction order whatever else is in the batch (BLAS picks kernels by the row count)."""
+    same reduction order whatever else is in the batch (BLAS picks kernels by the row count);
+    csd_engine's bf16 CPU kernel needs no blocks (ops.bf16_kernel_takes)."""
     apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
         (lambda t: dense_linear(t, weight, bias))
-    if not row_block:
+    if not row_block or (not isinstance(weight, QuantizedLinear) and bf16_kernel_takes(x, weight, bias)):
         return apply(x)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]

@@ -4,7 +4,8 @@ depend on its neighbours, also where BLAS or the attention split would pick othe
 import pytest
 import torch
 
-from csd_engine import Engine
+from csd_engine import Engine, ops
+from csd_engine.models import quant
 from csd_engine.models.runner import ForwardBatch
 from tests.tiny_models import tiny_llama
 
@@ -42,6 +43,26 @@ def test_a_rows_logits_do_not_depend_on_its_batch(model, attention):
                     device="cpu")
     mine = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(1))
     assert worst_difference(engine.target, mine) == 0.0
+
+
+@pytest.mark.skipif("cpu" not in ops._BF16_LINEAR_DEVICES, reason="csd_engine._C has no bf16_linear CPU kernel")
+def test_bf16_rows_are_invariant_through_the_bf16_kernel_without_row_blocks(model, monkeypatch):
+    """Where bf16 matmuls take csd_engine's CPU kernel (every row computed alike), the batch-
+    invariant mode skips the row padding and a row's bf16 logits still do not move."""
+    monkeypatch.setenv("CSD_BF16_LINEAR", "1")
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        engine = Engine(model, max_batch_size=8, max_seq_len=48, batch_invariant=True, dtype=torch.bfloat16,
+                        attention_backend="triton", device="cpu")
+        rows = []
+        real = quant.dense_linear
+        monkeypatch.setattr(quant, "dense_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
+        mine = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(1))
+        assert worst_difference(engine.target, mine) == 0.0
+        assert 6 in rows and all(n % 16 for n in rows)  # unpadded: 6 rows alone, 12 to 48 in batches
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
 
 
 def test_generic_runner_is_refused_clearly(model):
