@@ -71,6 +71,9 @@ class Engine:
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches
+        # On the CPU the target verifies only up to the longest real draft: one host read per
+        # step more, which costs nothing there, against a forward whose cost grows with its width.
+        self.trim_drafts = self.device.type == "cpu"
         self._kept_steps = None  # the last scheduler's step graphs (scheduler.KeptSteps), cuda_graphs="step"
 
     def _load_drafter(self, spec, native, attention_backend):
@@ -101,7 +104,8 @@ class Engine:
         return [self.target] + [d for d in self.drafters if not isinstance(d, MaG)]
 
     def _decoder_models(self) -> Models:
-        return Models(self.target, self.drafters, self.verifier, self.capacity, self.device, self.drafter_device)
+        return Models(self.target, self.drafters, self.verifier, self.capacity, self.device, self.drafter_device,
+                      trim_drafts=self.trim_drafts)
 
     # ----------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -33,6 +33,7 @@ class Models:
     capacity: int  # token slots per row (max_seq_len + headroom)
     device: torch.device
     drafter_device: torch.device
+    trim_drafts: bool = False  # the target verifies only up to the longest real draft (verify_chain)
 
 
 @dataclass
@@ -239,6 +240,8 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     """The target checks `draft` in one forward over [pending, draft] and its cache keeps
     pending and the accepted drafts. Returns (what the step emits, accepted counts [B]).
     `counters`: random counters the step consumes in all (the offset moves past them)."""
+    if models.trim_drafts:
+        draft = trimmed(draft)
     ids = torch.cat([state.pending[:, None], draft.tokens], 1)
     logits = forward_tokens(models.target, state, ids)
     res = models.verifier.chain(logits, draft.tokens, draft.length, draft.q, lenience=1.0,
@@ -250,6 +253,14 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     state.metrics.record(0, accepted, draft.length, state.active, draft.tokens.shape[1])
     tokens = emitted_block(draft.tokens, accepted, res.next_token)
     return StepOutput(tokens, accepted + 1, emitted_logprobs(state, logits, tokens)), accepted
+
+
+def trimmed(draft: Draft) -> Draft:
+    """`draft` cut to its longest row. A named host read, for the CPU (Engine.trim_drafts):
+    there a read costs nothing and a forward's cost grows with its width, while a draft's
+    host-known width is its bound (masked rows, a MaG match shorter than its budget)."""
+    width = int(draft.length.max()) if draft.length.numel() else 0
+    return Draft(draft.tokens[:, :width], draft.length, None if draft.q is None else draft.q[:, :width])
 
 
 def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -288,6 +288,8 @@ class CascadeDecoder:
         model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
         feed_from = model.cache.lengths.clone()
         fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
+        if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
+            fed = max(1, min(fed, int((sub_len - feed_from).max())))
         cols = feed_from[:, None] + torch.arange(fed, device=dev)[None, :]
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)

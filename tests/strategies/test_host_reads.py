@@ -7,9 +7,11 @@ Counted on the CPU with a dispatch mode (`_local_scalar_dense` is behind `.item(
 shapes, a sync on CUDA) and a patched `Tensor.tolist` / `Tensor.numpy` (they bypass dispatch).
 The native runner's debug bound check (a read, CSD_DEBUG) is switched off here, and so is the
 PyTorch references' habit of looking at values on CPU tensors, where a read costs nothing and
-saves a full sort (kernels.sampling.READS_ON_CPU): what is counted is the device path.
+saves a full sort (kernels.sampling.READS_ON_CPU), and the engine's trim of the target's width
+(Engine.trim_drafts, also CPU-only): what is counted is the device path.
 """
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -54,7 +56,8 @@ class Counted:
         self.strategy, self.reads, self.steps = strategy, reads, steps
 
     def decoder(self, models):
-        decoder = self.strategy.decoder(models)
+        # the device design: no CPU-only trim of the target's width (Engine.trim_drafts)
+        decoder = self.strategy.decoder(dataclasses.replace(models, trim_drafts=False))
         step = decoder.step
 
         def counted_step(*args, **kwargs):

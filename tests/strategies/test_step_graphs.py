@@ -4,6 +4,7 @@ same tokens and the same counters as eager steps (greedy and seeded top-k / top-
 ragged prompts, requests joining rows that others left). A step that kept state in Python,
 rebound a tensor or baked a host value into its work would replay wrongly. On a GPU the same
 engine runs with real CUDA graphs (tests/models/test_graphs.py's CUDA tests)."""
+import dataclasses
 import pytest
 import torch
 
@@ -37,6 +38,10 @@ def models():
 
 def emulated(monkeypatch, captures: list, capture_type=EmulatedCapture) -> None:
     """Schedulers replay their steps from emulated graphs (as cuda_graphs='step' on a GPU)."""
+    # graphs replay fixed shapes: no CPU-only trim of the target's width (Engine.trim_drafts)
+    models = Engine._decoder_models
+    monkeypatch.setattr(Engine, "_decoder_models", lambda self: dataclasses.replace(models(self), trim_drafts=False))
+
     def step_graphs(scheduler):
         capture = capture_type()
         captures.append(capture)
