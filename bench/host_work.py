@@ -141,6 +141,7 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     drafters, strategy = STRATEGIES[name]
     engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
                     max_batch_size=batch, max_seq_len=64 + tokens, device="cpu")
+    engine.trim_drafts = False  # count the device path: no CPU-only trim of the draft widths (one read each)
     prompts = [[(7 * row + 3 * i) % 90 + 1 for i in range(12 + 3 * row)] for row in range(batch)]
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, **MODES[mode])
     engine.generate(prompts, params, strategy=strategy)  # warm-up: nothing cached in the counts
