@@ -240,7 +240,7 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     """The target checks `draft` in one forward over [pending, draft] and its cache keeps
     pending and the accepted drafts. Returns (what the step emits, accepted counts [B]).
     `counters`: random counters the step consumes in all (the offset moves past them)."""
-    if models.trim_drafts:
+    if models.trim_drafts and draft.tokens.shape[1]:  # Autoregressive's empty draft: nothing to trim
         draft = trimmed(draft)
     ids = torch.cat([state.pending[:, None], draft.tokens], 1)
     logits = forward_tokens(models.target, state, ids)
@@ -259,7 +259,7 @@ def trimmed(draft: Draft) -> Draft:
     """`draft` cut to its longest row. A named host read, for the CPU (Engine.trim_drafts):
     there a read costs nothing and a forward's cost grows with its width, while a draft's
     host-known width is its bound (masked rows, a MaG match shorter than its budget)."""
-    width = int(draft.length.max()) if draft.length.numel() else 0
+    width = int(draft.length.max())
     return Draft(draft.tokens[:, :width], draft.length, None if draft.q is None else draft.q[:, :width])
 
 

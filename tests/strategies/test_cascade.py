@@ -152,6 +152,34 @@ def test_auto_verifies_no_wider_than_the_rows_budgets(models):
     assert widths and max(widths) <= 5, widths
 
 
+def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
+    """Engine.trim_drafts (on for a CPU engine): the target and the drafter's reviews read only
+    up to the batch's longest real draft, fewer tokens than the host-known bounds the device path
+    feeds (K's envelope, MaG budgets its matches leave unfilled), with the same greedy tokens."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(3, lo=4, hi=12, seed=9)
+    strategy = Cascade(k_matrix=[[2, 4], [0, 4]], lenience=2.0, mag_tokens=4)
+    fed = {}
+    for trim in (True, False):
+        engine.trim_drafts = trim
+        counts = {"target": 0, "drafter": 0}
+        for name, runner in (("target", engine.target), ("drafter", engine.drafters[0])):
+            def recording(batch, forward=runner.forward, name=name):
+                if batch.need_logits:
+                    counts[name] += batch.input_ids.shape[1]
+                return forward(batch)
+            runner.forward = recording
+        try:
+            out = assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=24)
+        finally:
+            del engine.target.forward, engine.drafters[0].forward
+        fed[trim] = counts, [r.token_ids for r in out]
+    assert Engine(target, max_batch_size=1, max_seq_len=16, device="cpu").trim_drafts
+    assert fed[True][1] == fed[False][1]
+    assert fed[True][0]["target"] < fed[False][0]["target"] and fed[True][0]["drafter"] < fed[False][0]["drafter"], fed
+
+
 def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     """Each row picks its own model budget from its counted rates and the fixed costs: a row whose
     drafts the target always accepts drafts as much as allowed with a cheap model; a row whose
