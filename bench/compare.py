@@ -57,11 +57,12 @@ class Setup:
         """The same target runner <- [the drafter with `scheme` weights ("int8", "int4"), MaG], built as
         the engine builds a quantized drafter (dense copies for wide calls)."""
         from csd_engine.models.llama import LlamaRunner
-        from csd_engine.models.quant import DRAFTER_DENSE_ROWS
+        from csd_engine.models.quant import drafter_dense_rows
         if scheme not in self._quantized:
             quantize = scheme + "g32" if self.args.dry_run and scheme == "int4" else scheme  # tiny: 64-wide rows
-            drafter = LlamaRunner(self.drafter, self.engine.device, harness.DTYPES[self.args.dtype], quantize=quantize,
-                                  dense_rows=DRAFTER_DENSE_ROWS)
+            dtype = harness.DTYPES[self.args.dtype]
+            drafter = LlamaRunner(self.drafter, self.engine.device, dtype, quantize=quantize,
+                                  dense_rows=drafter_dense_rows(self.engine.device, dtype))
             self._quantized[scheme] = self._engine(self.engine.target, [drafter, "mag"])
         return self._quantized[scheme]
 

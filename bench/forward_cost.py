@@ -31,7 +31,7 @@ from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
 from csd_engine.models.loader import load_runner  # noqa: E402
-from csd_engine.models.quant import DRAFTER_DENSE_ROWS  # noqa: E402
+from csd_engine.models.quant import drafter_dense_rows  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
@@ -112,7 +112,8 @@ def main(argv=None):
     for spec in filter(None, args.drafters.split(",")):
         for dtype_name in args.dtypes.split(","):
             harness.progress(f"loading drafter {spec} ({dtype_name})")
-            dense_rows = 0 if args.packed_only else DRAFTER_DENSE_ROWS  # default: as the engine builds a drafter
+            # default: as the engine builds a drafter
+            dense_rows = 0 if args.packed_only else drafter_dense_rows("cpu", harness.DTYPES[dtype_name])
             runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True, dense_rows=dense_rows)
             prefix = torch.randint(0, runner.vocab_size, (1, args.context))
             runner.allocate(1, args.context + max(ns) + 8)

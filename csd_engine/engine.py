@@ -26,7 +26,7 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import load_runner
-from csd_engine.models.quant import DRAFTER_DENSE_ROWS
+from csd_engine.models.quant import drafter_dense_rows
 from csd_engine.params import SamplingParams
 from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler, read_host  # noqa: F401
 from csd_engine.strategies.base import Models, StepMetrics
@@ -81,7 +81,7 @@ class Engine:
             return (spec if isinstance(spec, MaG) else MaG()).to(self.device)
         # a quantized drafter keeps dense copies for wide calls (prefill, catch-up): faster, same losslessness
         runner, _ = load_runner(spec, self.drafter_device, self.dtype, native, attention_backend, self.fused_kernels,
-                                dense_rows=DRAFTER_DENSE_ROWS)
+                                dense_rows=drafter_dense_rows(self.drafter_device, self.dtype))
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")

@@ -39,13 +39,22 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import bf16_kernel_takes, dense_linear
+from csd_engine.ops import bf16_kernel_pays, bf16_kernel_takes, dense_linear
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
 SCHEMES = ("int8", "int4") + tuple(f"int4g{g}" for g in INT4_GROUPS)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DRAFTER_DENSE_ROWS = 16  # where the int4 op falls behind bf16 for a whole Qwen 0.5B forward on the CPU
+
+
+def drafter_dense_rows(device, dtype: torch.dtype) -> int:
+    """Rows above which a quantized drafter's calls take its dense copy: DRAFTER_DENSE_ROWS, but 2
+    on a CPU where csd_engine's bf16 kernel runs (no native bf16), whose cost grows slowly with the
+    rows while the int4 op's does not (one 9728x896 layer on a 2-core AVX2 EPYC, 1 / 2 / 3 / 5
+    rows: int4 op 0.82 / 1.08 / 1.36 / 2.85 ms, the kernel 1.03 / 1.15 / 1.34 / 1.82)."""
+    cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_kernel_pays()
+    return 2 if cpu_kernel else DRAFTER_DENSE_ROWS
 
 
 def parse_scheme(scheme: str) -> tuple[int, int | None]:

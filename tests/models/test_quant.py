@@ -171,7 +171,7 @@ def test_graphed_quantized_runner_matches_the_eager_one():
 
 
 def test_engine_keeps_dense_copies_for_a_quantized_drafters_wide_calls_only(tmp_path):
-    """A quantized drafter built by the Engine sends calls of more than DRAFTER_DENSE_ROWS rows
+    """A quantized drafter built by the Engine sends calls of more than drafter_dense_rows rows
     (here: the prompts' prefill) through dense copies and stays lossless; a quantized target
     never does (its output is exactly the quantized model's)."""
     from csd_engine.models.quant import DRAFTER_DENSE_ROWS
@@ -185,6 +185,32 @@ def test_engine_keeps_dense_copies_for_a_quantized_drafters_wide_calls_only(tmp_
     assert sum(r.metrics.accepted for r in out) > 0
     target = Engine(target=f"{tmp_path / 'tiny'}:int4g32", max_batch_size=1, max_seq_len=32).target
     assert target.layers[0]["qkv"].dense is None
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(forced, monkeypatch, tmp_path):
+    """Where csd_engine's bf16 CPU kernel runs, a bf16 quantized drafter sends every call of more
+    than 2 rows through its dense copy (and stays lossless); elsewhere (or in fp32, or on another
+    device) from 16."""
+    from csd_engine import ops
+    from csd_engine.models.quant import DRAFTER_DENSE_ROWS, drafter_dense_rows
+    monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        kernel = ops.bf16_kernel_pays()
+        assert drafter_dense_rows("cpu", torch.bfloat16) == (2 if kernel else DRAFTER_DENSE_ROWS)
+        assert drafter_dense_rows("cpu", torch.float32) == DRAFTER_DENSE_ROWS
+        assert drafter_dense_rows("cuda", torch.bfloat16) == DRAFTER_DENSE_ROWS
+        model = tiny_llama(seed=12)
+        model.save_pretrained(tmp_path / "tiny")
+        # batch-invariant: bf16 greedy outputs equal whatever the step's width (no near-tie flips)
+        engine = Engine(target=model, drafters=[f"{tmp_path / 'tiny'}:int4g32"], dtype=torch.bfloat16,
+                        max_batch_size=2, max_seq_len=64, batch_invariant=True)
+        assert engine.drafters[0].layers[0]["qkv"].dense_rows == (2 if kernel else DRAFTER_DENSE_ROWS)
+        assert_greedy_equals_autoregressive(engine, random_prompts(2, lo=3, hi=9, seed=5), Speculative(k=3))
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
 
 
 def test_spec_suffix_loads_a_quantized_runner(tmp_path):
