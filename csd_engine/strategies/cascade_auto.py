@@ -3,27 +3,28 @@
 The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
 K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then up to M = mag_tokens
 MaG tokens, which MaG proposes only where it matches, at no forward's cost; the model
-reviews M MaG tokens at a time). Before each step a row picks the model budget a <= A that
-maximises its expected tokens per cost:
+reviews M MaG tokens at a time). Before each step a row picks the model budget a <= A and
+the top-level MaG budget g <= M that maximise its expected tokens per cost:
 
-    tokens(a) = 1 + alpha + ... + alpha^a
-    cost(a)   = 1 + width_cost a + c_model ceil(a / (1 + beta M))
+    tokens(a, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
+    cost(a, g)   = 1 + width_cost (a + g) + c_model ceil(a / (1 + beta M))
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
-assumes; MaG's top-level tokens are counted apart, StepMetrics.source_*), beta: the share of MaG
-tokens the model accepted in its reviews, both counted in this generate call with a prior of
-0.5 worth `prior` drafts;
-c_model: the model's forward cost relative to the target's, from parameter counts unless
-`model_cost` gives it. a = 0 runs no neural forward (plain decoding where MaG matches
-nothing): chosen once the target accepts too little for the model to pay. Nothing here is
-timed: a seeded request gives the same tokens whatever shares its batch and however often
-it runs. Rows with a long MaG match go direct (Cascade.direct_match, direct_tokens).
+assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*), beta: the share of
+MaG tokens the model accepted in its reviews, all counted in this generate call with a prior of
+0.5 worth `prior` drafts; c_model: the model's forward cost relative to the target's, from
+parameter counts unless `model_cost` gives it; width_cost: what one more token adds to a
+target forward, by default from the platform (platform_width_cost). a = g = 0 is plain
+decoding: chosen once neither source pays for the width it adds. Nothing here is timed: a
+seeded request gives the same tokens whatever shares its batch and however often it runs.
+Rows with a long MaG match go direct (Cascade.direct_match, direct_tokens).
 """
 from dataclasses import dataclass
 
 import torch
 
+from csd_engine import ops
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
 from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
@@ -36,7 +37,7 @@ class AutoCascade:
     mag_tokens: int = 4
     direct_match: int = 8
     direct_tokens: int = 16
-    width_cost: float = 0.02  # extra cost of one more token in a forward, relative to a one-token forward
+    width_cost: float | None = None  # one more token's cost in a target forward, relative to a one-token one
     prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
 
@@ -47,6 +48,8 @@ class AutoCascade:
                 raise ValueError(f"Cascade.auto({name}=...) must be an int >= 1, got {value!r}")
         if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
             raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
+        if self.width_cost is not None and not self.width_cost >= 0:
+            raise ValueError(f"width_cost must be >= 0 (relative to one target forward), got {self.width_cost!r}")
         if self.model_cost is not None and not self.model_cost > 0:
             raise ValueError(f"model_cost must be > 0 (relative to one target forward), got {self.model_cost!r}")
 
@@ -63,37 +66,59 @@ class AutoCascade:
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
             cost = models.drafters[0].num_params / models.target.num_params
+        width = platform_width_cost(models) if self.width_cost is None else self.width_cost
         return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
-                                  self, cost or 0.0)
+                                  self, cost or 0.0, float(width))
+
+
+def platform_width_cost(models: Models) -> float:
+    """What one more token adds to a target forward, relative to a one-token forward: 0.15 on a
+    CPU where csd_engine's bf16 kernel runs (no native bf16: the Qwen 1.5B's 5-token forward cost
+    1.52-1.63x its 1-token one on a 2-core AVX2 EPYC, bench/forward_cost.py), else 0.02 (AVX-512:
+    17 tokens 1.18x; a GPU's forward is flat far wider)."""
+    target = models.target
+    kernel = (models.device.type == "cpu" and getattr(target, "dtype", None) == torch.bfloat16
+              and ops.bf16_kernel_pays())
+    return 0.15 if kernel else 0.02
 
 
 class AutoCascadeDecoder(CascadeDecoder):
     track_sources = True  # alpha is the target's rate on the model's tokens alone
 
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
-                 model_cost: float):
+                 model_cost: float, width_cost: float):
         super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
-        self.config, self.model_cost = config, model_cost
+        self.config, self.model_cost, self.width_cost = config, model_cost, width_cost
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
         self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
+        self.mag_grid = torch.arange(mag_tokens + 1, device=models.device)
 
     def budgets(self, state: DecodeState, direct: torch.Tensor):
         budgets, cap = super().budgets(state, direct)
+        counts, w = state.metrics, self.width_cost
+        gamma = self._rate(counts.source_accepted[self.mag_source.index], counts.source_checked[self.mag_source.index])
+        g = self.mag_grid.to(gamma.dtype)[None, None, :]  # [1, 1, M + 1]
+        a = self.grid.to(gamma.dtype)[None, :, None]  # [1, A + 1, 1]
         if self.neural_source is None:
-            return budgets, cap
-        cfg, m = self.config, self.mag_tokens
-        counts, model = state.metrics, self.neural_source.index
-        alpha = self._rate(counts.source_accepted[model], counts.source_checked[model])
-        beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])
-        a = self.grid.to(alpha.dtype)[None, :]  # [1, G]
-        tokens = (1 - alpha[:, None] ** (a + 1)) / (1 - alpha[:, None]).clamp_min(1e-6)
-        reviews = torch.ceil(a / (1 + beta[:, None] * m))
-        cost = 1 + cfg.width_cost * a + self.model_cost * reviews
-        best = (tokens / cost).argmax(1)  # [B]: first best (fewest drafts) on ties
-        budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[best])
-        return budgets, cap
+            alpha = reviews = torch.zeros_like(gamma)[:, None, None]
+        else:
+            alpha = self._rate(counts.source_accepted[self.neural_source.index],
+                               counts.source_checked[self.neural_source.index])[:, None, None]
+            beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None]
+            reviews = torch.ceil(a / (1 + beta * self.mag_tokens))
+        geometric = lambda r, n: (1 - r ** (n + 1)) / (1 - r).clamp_min(1e-6)  # noqa: E731  1 + r + ... + r^n
+        gamma = gamma[:, None, None]
+        tokens = geometric(alpha, a) + alpha ** a * (geometric(gamma, g) - 1)  # [B, A + 1, M + 1]
+        cost = 1 + w * (a + g) + self.model_cost * reviews
+        best = (tokens / cost).flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
+        pick_a, pick_g = best // self.mag_grid.numel(), best % self.mag_grid.numel()
+        if self.neural_source is not None:
+            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[pick_a])
+        top_mag = self.mag_source.index
+        budgets[top_mag] = torch.where(direct, budgets[top_mag], self.mag_grid[pick_g])
+        return budgets, torch.where(direct, cap, self.mag_grid[pick_g])
 
     def _rate(self, accepted: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """[B] accepted / counted (per-row counts) with the prior rate 0.5 worth `prior` tokens."""

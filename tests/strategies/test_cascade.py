@@ -205,6 +205,41 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
     budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
     assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
+    # MaG's top-level tokens: proposed in full where the target takes them, not at all where it never does
+    mag = decoder.mag_source.index
+    state.metrics.source_accepted[mag] = torch.tensor([1000, 0])
+    state.metrics.source_checked[mag] = torch.tensor([1000, 1000])
+    budgets, cap = decoder.budgets(state, torch.tensor([False, False]))
+    assert budgets[mag].tolist() == [4, 0] and cap.tolist() == [4, 0]
+    # ... and only where they pay for the width they add: at a 12% rate (row 1, whose model drafts
+    # nothing) one token pays at width_cost 0.02 (1.12 tokens for 1.02), none at 0.15 (for 1.15)
+    state.metrics.source_accepted[mag] = torch.tensor([120, 120])
+    for width, paid in ((0.02, True), (0.15, False)):
+        wide = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width).decoder(engine._decoder_models())
+        budgets, cap = wide.budgets(state, torch.tensor([False, False]))
+        assert (budgets[mag][1] > 0) == paid and cap[1] == budgets[mag][1], (width, budgets[mag])
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_auto_prices_width_by_platform(forced, models, monkeypatch):
+    """Cascade.auto()'s default width cost: 0.15 per token where a bf16 target runs on csd_engine's
+    CPU kernel (no native bf16: wide forwards cost), 0.02 elsewhere; a negative one is refused."""
+    from csd_engine import ops
+    from csd_engine.strategies.cascade_auto import platform_width_cost
+    target, d1, _ = models
+    monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=dtype)
+            kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
+            assert platform_width_cost(engine._decoder_models()) == (0.15 if kernel else 0.02)
+            assert Cascade.auto().decoder(engine._decoder_models()).width_cost == (0.15 if kernel else 0.02)
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
+    with pytest.raises(ValueError, match="width_cost must be >= 0"):
+        Cascade.auto(width_cost=-0.1)
 
 
 def test_per_source_counts_stop_at_the_first_rejection():
