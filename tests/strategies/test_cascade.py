@@ -181,10 +181,10 @@ def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
 
 
 def test_auto_budgets_follow_counted_acceptance_and_costs(models):
-    """Each row picks its own model budget from its counted rates and the fixed costs: a row whose
-    drafts the target always accepts drafts as much as allowed with a cheap model; a row whose
-    drafts are always rejected runs no neural forward (MaG's matches only, i.e. plain decoding
-    where nothing matches); a row with a long MaG match goes direct."""
+    """Each row picks its own model and MaG budgets from its counted rates and the fixed costs: a
+    row whose drafts the target always accepts drafts as much as allowed with a cheap model; a row
+    whose drafts are always rejected runs no neural forward; MaG's top-level tokens are sent only
+    where their rate pays for the width they add; a row with a long MaG match goes direct."""
     from csd_engine.strategies.base import StepMetrics
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
