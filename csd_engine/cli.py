@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from csd_engine import AutoCascade, Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged, __version__
+from csd_engine import AutoCascade, Autoregressive, AutoSpeculative, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged, __version__
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -34,6 +34,7 @@ CUDA_GRAPHS = {"off": False, "forward": True, "step": "step"}  # --cuda-graphs -
 STRATEGIES = {
     "autoregressive": (Autoregressive, Autoregressive),
     "speculative": (Speculative, Speculative),
+    "speculative_auto": (Speculative.auto, AutoSpeculative),
     "cascade": (Cascade, Cascade),
     "cascade_auto": (Cascade.auto, AutoCascade),
     "staged": (Staged, Staged),
@@ -43,6 +44,7 @@ STRATEGIES = {
 STRATEGY_FLAGS = {
     "autoregressive": (),
     "speculative": ("k",),
+    "speculative_auto": (),
     "cascade": ("k_matrix", "lenience", "mag_tokens", "tree"),
     "cascade_auto": (),
     "staged": ("branching", "mag_tokens"),

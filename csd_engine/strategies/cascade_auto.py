@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine import ops
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
+from csd_engine.strategies.budget import counted_rate, geometric, parameter_ratio, platform_width_cost
 from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
 
 
@@ -65,21 +65,10 @@ class AutoCascade:
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
-            cost = models.drafters[0].num_params / models.target.num_params
+            cost = parameter_ratio(models, 0)
         width = platform_width_cost(models) if self.width_cost is None else self.width_cost
         return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
                                   self, cost or 0.0, float(width))
-
-
-def platform_width_cost(models: Models) -> float:
-    """What one more token adds to a target forward, relative to a one-token forward: 0.15 on a
-    CPU where csd_engine's bf16 kernel runs (no native bf16: the Qwen 1.5B's 5-token forward cost
-    1.52-1.63x its 1-token one on a 2-core AVX2 EPYC, bench/forward_cost.py), else 0.02 (AVX-512:
-    17 tokens 1.18x; a GPU's forward is flat far wider)."""
-    target = models.target
-    kernel = (models.device.type == "cpu" and getattr(target, "dtype", None) == torch.bfloat16
-              and ops.bf16_kernel_pays())
-    return 0.15 if kernel else 0.02
 
 
 class AutoCascadeDecoder(CascadeDecoder):
@@ -108,7 +97,6 @@ class AutoCascadeDecoder(CascadeDecoder):
                                counts.source_checked[self.neural_source.index])[:, None, None]
             beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None]
             reviews = torch.ceil(a / (1 + beta * self.mag_tokens))
-        geometric = lambda r, n: (1 - r ** (n + 1)) / (1 - r).clamp_min(1e-6)  # noqa: E731  1 + r + ... + r^n
         gamma = gamma[:, None, None]
         tokens = geometric(alpha, a) + alpha ** a * (geometric(gamma, g) - 1)  # [B, A + 1, M + 1]
         cost = 1 + w * (a + g) + self.model_cost * reviews
@@ -121,5 +109,4 @@ class AutoCascadeDecoder(CascadeDecoder):
         return budgets, torch.where(direct, cap, self.mag_grid[pick_g])
 
     def _rate(self, accepted: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-        """[B] accepted / counted (per-row counts) with the prior rate 0.5 worth `prior` tokens."""
-        return (accepted + 0.5 * self.config.prior) / (counted + self.config.prior)
+        return counted_rate(accepted, counted, self.config.prior)

@@ -225,7 +225,7 @@ def test_auto_prices_width_by_platform(forced, models, monkeypatch):
     """Cascade.auto()'s default width cost: 0.15 per token where a bf16 target runs on csd_engine's
     CPU kernel (no native bf16: wide forwards cost), 0.02 elsewhere; a negative one is refused."""
     from csd_engine import ops
-    from csd_engine.strategies.cascade_auto import platform_width_cost
+    from csd_engine.strategies.budget import platform_width_cost
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     ops.bf16_kernel_pays.cache_clear()

@@ -31,6 +31,9 @@ STRATEGIES = {
     "autoregressive": ((), Autoregressive()),
     "speculative-model": (("d1",), Speculative(k=3)),
     "speculative-mag": (("mag",), Speculative(k=4)),
+    # priced to draft (the fixture drafters are as large as the target); the drafter's top probability
+    # is 0.10-0.27 on most positions here (10th-90th percentile): 0.15 stops drafts often, not always
+    "speculative-auto": (("d1",), Speculative.auto(max_tokens=3, model_cost=0.1, min_confidence=0.15)),
     "cascade2-l1": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=1, mag_tokens=2)),
     "cascade2-l2": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2)),
     "cascade3-l1": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=1,
@@ -156,6 +159,7 @@ def test_per_row_max_new_tokens_and_max_seq_len(models, name):
 # be accepted at their own rates).
 FLOOR = {
     "speculative": Speculative(k=4),
+    "speculative-auto": Speculative.auto(max_tokens=4, model_cost=0.1),
     "cascade": Cascade(k_matrix=[[3, 0], [0, 2]], lenience=1, mag_tokens=2),
     "cascade3": Cascade(k_matrix=[[2, 2, 0], [0, 2, 1], [0, 0, 2]], lenience=1, mag_tokens=2),
     "pearl": Pearl(gamma=3, overlap=True),
@@ -166,7 +170,7 @@ FLOOR = {
 @pytest.mark.parametrize("name", FLOOR)
 def test_drafters_identical_to_the_target_are_always_accepted(models, name, temperature):
     target = models["target"]
-    drafters = {"speculative": [target], "cascade": [target, "mag"], "cascade3": [target, target, "mag"],
+    drafters = {"speculative": [target], "speculative-auto": [target], "cascade": [target, "mag"], "cascade3": [target, target, "mag"],
                 "pearl": [target]}[name]
     engine = Engine(target, drafters=drafters, max_batch_size=4, max_seq_len=MAX_SEQ_LEN, verify_backend="torch")
     prompts = random_prompts(3, lo=2, hi=12, seed=17) + [repetitive_prompt(19)]

@@ -1,0 +1,87 @@
+"""Speculative.auto(): chain speculation with a neural drafter whose rows choose their own draft
+length each step, deterministically (csd_engine.strategies.budget).
+
+Before each step a row picks the length a <= max_tokens that maximises its expected tokens per
+cost: tokens(a) = 1 + alpha + ... + alpha^a, cost(a) = 1 + (width_cost + model_cost) a, where
+alpha is the row's counted per-token rate at which the target accepted its drafts (accepted over
+checked; a token after a rejection is not checked), with a prior of 0.5 worth `prior` tokens.
+a = 0 is plain decoding: where no row drafts, the drafter sits out the step and catches up on
+the row's next draft. Within a step the drafter also stops a row before a token its top
+probability puts under `min_confidence`.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from csd_engine.drafters.mag import MaG
+from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
+                                        roll_back_drafters, verify_chain)
+from csd_engine.strategies.budget import chain_budget, counted_rate, parameter_ratio, platform_width_cost
+from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
+
+
+@dataclass(frozen=True)
+class AutoSpeculative:
+    max_tokens: int = 6  # the longest draft a row may choose
+    drafter: int = 0
+    min_confidence: float = 0.0
+    prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
+    model_cost: float | None = None  # the drafter's forward cost relative to the target's (default: parameter ratio)
+    width_cost: float | None = None  # one more token's cost in a target forward (default: platform_width_cost)
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 64:
+            raise ValueError(f"Speculative.auto(max_tokens=...) must be an int in [1, 64], got {self.max_tokens!r}")
+        check_confidence(self.min_confidence, "Speculative.auto")
+        if isinstance(self.prior, bool) or not isinstance(self.prior, (int, float)) or not self.prior > 0:
+            raise ValueError(f"Speculative.auto(prior=...) must be a number > 0 (drafts' worth), got {self.prior!r}")
+        for name in ("model_cost", "width_cost"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+                raise ValueError(f"Speculative.auto({name}=...) must be a number >= 0 (relative to one target "
+                                 f"forward) or None (measured default), got {value!r}")
+
+    def decoder(self, models: Models):
+        check_drafter(models, self.drafter, "Speculative.auto()")
+        if isinstance(models.drafters[self.drafter], MaG):
+            raise ValueError("Speculative.auto() tunes a neural drafter's draft length; MaG's drafts are already "
+                             "only what it matched: use Speculative(k=...) with MaG")
+        cost = parameter_ratio(models, self.drafter) if self.model_cost is None else self.model_cost
+        width = platform_width_cost(models) if self.width_cost is None else self.width_cost
+        return AutoSpeculativeDecoder(models, self, float(cost), float(width))
+
+
+class AutoSpeculativeDecoder(SpeculativeDecoder):
+    sources = ("drafter",)  # one top-level source: StepMetrics.source_* count the target's verdicts on its tokens
+
+    def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_cost: float):
+        super().__init__(models, config.max_tokens, config.drafter, config.min_confidence)
+        self.prior, self.model_cost, self.width_cost = config.prior, model_cost, width_cost
+
+    def budget(self, state: DecodeState) -> torch.Tensor:
+        """[B] each active row's draft length for the next step (0 for the others)."""
+        rate = counted_rate(state.metrics.source_accepted[0], state.metrics.source_checked[0], self.prior)
+        return chain_budget(rate, self.k, self.model_cost, self.width_cost) * state.active
+
+    def plan(self, state: DecodeState) -> torch.Tensor:
+        """[B, 2]: how far the drafter's cache trails the committed prefix, the row's draft length."""
+        return torch.stack([state.committed - self.drafter.cache.lengths, self.budget(state)], 1)
+
+    def graph_columns(self, columns: tuple) -> tuple:
+        """A step graph's key: the lag matters only in a step where some row drafts."""
+        return columns if columns[1] else (0, 0)
+
+    def step(self, state: DecodeState, plan) -> StepOutput:
+        behind, rounds = [max(column) for column in zip(*plan)] or [0, 0]
+        if rounds:
+            draft = draft_chain(self.drafter, state, rounds, self.models.verifier, DRAFT_STREAM, self.drafter_index,
+                                max_behind=max(behind, 1), budget=self.budget(state),
+                                min_confidence=self.min_confidence, stop_early=self.models.trim_drafts)
+        else:  # nobody drafts: a plain decoding step, the drafter untouched
+            none = torch.zeros(state.batch, 0, dtype=torch.int64, device=state.pending.device)
+            draft = Draft(none, torch.zeros_like(state.committed))
+        out, accepted = verify_chain(self.models, state, draft, counters=self.k + 1)
+        state.metrics.record_sources(torch.zeros_like(draft.tokens), draft.length, accepted, state.active, [0])
+        roll_back_drafters([self.drafter], state.committed + accepted + 1)
+        commit(state, out)
+        return out
