@@ -12,9 +12,9 @@ from csd_engine import ops
 from csd_engine.strategies.base import Models
 
 
-def counted_rate(accepted: torch.Tensor, counted: torch.Tensor, prior: float) -> torch.Tensor:
-    """accepted / counted per row, with the prior rate 0.5 worth `prior` tokens."""
-    return (accepted + 0.5 * prior) / (counted + prior)
+def counted_rate(accepted: torch.Tensor, counted: torch.Tensor, prior: float, prior_rate: float = 0.5) -> torch.Tensor:
+    """accepted / counted per row, with the prior rate `prior_rate` worth `prior` tokens."""
+    return (accepted + prior_rate * prior) / (counted + prior)
 
 
 def geometric(rate: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

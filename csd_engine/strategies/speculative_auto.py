@@ -4,8 +4,9 @@ length each step, deterministically (csd_engine.strategies.budget).
 Before each step a row picks the length a <= max_tokens that maximises its expected tokens per
 cost: tokens(a) = 1 + alpha + ... + alpha^a, cost(a) = 1 + (width_cost + model_cost) a, where
 alpha is the row's counted per-token rate at which the target accepted its drafts (accepted over
-checked; a token after a rejection is not checked), with a prior of 0.5 worth `prior` tokens.
-a = 0 is plain decoding: where no row drafts, the drafter sits out the step and catches up on
+checked; a token after a rejection is not checked), starting from `prior_rate` worth `prior`
+tokens: optimistic, because a row learns its rate only by drafting (at 0.5 a drafter costing
+more than half a target forward per token would never be tried). a = 0 is plain decoding: where no row drafts, the drafter sits out the step and catches up on
 the row's next draft. Within a step the drafter also stops a row before a token its top
 probability puts under `min_confidence`.
 """
@@ -25,7 +26,8 @@ class AutoSpeculative:
     max_tokens: int = 6  # the longest draft a row may choose
     drafter: int = 0
     min_confidence: float = 0.0
-    prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
+    prior: float = 4.0  # drafts' worth of the prior acceptance rate
+    prior_rate: float = 0.8
     model_cost: float | None = None  # the drafter's forward cost relative to the target's (default: parameter ratio)
     width_cost: float | None = None  # one more token's cost in a target forward (default: platform_width_cost)
 
@@ -35,6 +37,9 @@ class AutoSpeculative:
         check_confidence(self.min_confidence, "Speculative.auto")
         if isinstance(self.prior, bool) or not isinstance(self.prior, (int, float)) or not self.prior > 0:
             raise ValueError(f"Speculative.auto(prior=...) must be a number > 0 (drafts' worth), got {self.prior!r}")
+        if isinstance(self.prior_rate, bool) or not isinstance(self.prior_rate, (int, float)) \
+                or not 0 <= self.prior_rate < 1:
+            raise ValueError(f"Speculative.auto(prior_rate=...) must be a number in [0, 1), got {self.prior_rate!r}")
         for name in ("model_cost", "width_cost"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
@@ -56,11 +61,12 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
 
     def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_cost: float):
         super().__init__(models, config.max_tokens, config.drafter, config.min_confidence)
-        self.prior, self.model_cost, self.width_cost = config.prior, model_cost, width_cost
+        self.config, self.model_cost, self.width_cost = config, model_cost, width_cost
 
     def budget(self, state: DecodeState) -> torch.Tensor:
         """[B] each active row's draft length for the next step (0 for the others)."""
-        rate = counted_rate(state.metrics.source_accepted[0], state.metrics.source_checked[0], self.prior)
+        counts, config = state.metrics, self.config
+        rate = counted_rate(counts.source_accepted[0], counts.source_checked[0], config.prior, config.prior_rate)
         return chain_budget(rate, self.k, self.model_cost, self.width_cost) * state.active
 
     def plan(self, state: DecodeState) -> torch.Tensor:

@@ -97,7 +97,8 @@ def test_auto_greedy_equals_autoregressive_with_rows_that_sit_out(model_cost, mi
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     drafted, forwards = sum(r.metrics.drafted for r in out), sum(r.metrics.drafter_forwards[0] for r in out)
     if model_cost:
-        assert out[0].metrics.drafter_forwards[0] < out[0].metrics.target_forwards, "the row never stopped drafting"
+        first = out[0].metrics  # steps in which the row offered a draft, against all its steps
+        assert first.drafted_per_position[0] < first.target_forwards, "the row never stopped drafting"
         assert max(behind) > 2, "no row sat out and was caught up"
     if min_confidence:
         assert drafted < forwards, "no draft stopped below the confidence threshold"
@@ -106,7 +107,7 @@ def test_auto_greedy_equals_autoregressive_with_rows_that_sit_out(model_cost, mi
 def test_auto_draft_length_follows_counted_acceptance_and_costs(pair):
     """Each row's length maximises (1 + a + ... + a^k) / (1 + (width + model cost) k) at its own
     counted rate a: the longest draft where every token is accepted, none where none is, and
-    shorter drafts as a draft token costs more."""
+    shorter drafts as a draft token costs more; a row with no counts yet starts optimistic."""
     target, draft_model = pair
     engine = Engine(target, drafters=[draft_model], max_batch_size=3, max_seq_len=32)
     models = engine._decoder_models()
@@ -123,6 +124,12 @@ def test_auto_draft_length_follows_counted_acceptance_and_costs(pair):
     assert lengths[0.05][2] > lengths[0.3][2] > lengths[0.6][2] >= 0, lengths
     state.active[0] = False
     assert Speculative.auto(model_cost=0.05).decoder(models).budget(state)[0] == 0  # a free row drafts nothing
+    # a fresh row drafts at the optimistic prior rate 0.8 where a draft token costs half a target forward
+    # (the 0.5B on the AVX2 CPU: 0.35 + 0.15); at 0.5 it would never try and never learn its rate
+    state.metrics.source_accepted.zero_(), state.metrics.source_checked.zero_()
+    fresh = {r: Speculative.auto(model_cost=0.35, width_cost=0.15, prior_rate=r).decoder(models).budget(state)[1]
+             for r in (0.8, 0.5)}
+    assert fresh[0.8] > 0 and fresh[0.5] == 0, fresh
 
 
 def test_confidence_stop_is_refused_where_it_cannot_apply():
@@ -132,7 +139,7 @@ def test_confidence_stop_is_refused_where_it_cannot_apply():
             Speculative(min_confidence=bad)
         with pytest.raises(ValueError, match=r"min_confidence=\.\.\.\) must be a number in \[0, 1\)"):
             Speculative.auto(min_confidence=bad)
-    for name, bad in (("max_tokens", 0), ("prior", 0), ("model_cost", -1), ("width_cost", -0.5)):
+    for name, bad in (("max_tokens", 0), ("prior", 0), ("prior_rate", 1.0), ("model_cost", -1), ("width_cost", -0.5)):
         with pytest.raises(ValueError, match=rf"Speculative.auto\({name}=\.\.\.\) must be"):
             Speculative.auto(**{name: bad})
     with pytest.raises(ValueError, match="MaG's drafts are already only what it matched"):
