@@ -19,8 +19,9 @@ from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models
 
 @dataclass(frozen=True)
 class Speculative:
-    """Up to k draft tokens per target forward from drafters[drafter] (a model drafts exactly k,
-    or stops before the first token its top probability puts under `min_confidence`)."""
+    """Up to k draft tokens per target forward from drafters[drafter] (a model drafts k, or stops
+    a row before the first token where its top probability, softmax of its logits, is under
+    `min_confidence`)."""
 
     k: int = 4
     drafter: int = 0
@@ -64,9 +65,10 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
                 stop_early: bool = False) -> Draft:
     """Up to k tokens drafted autoregressively by a neural drafter (sampled at the request's own
     temperature / top-k / top-p; q is None when every row is greedy). A row drafts at most
-    `budget[b]` tokens (k when None) and stops before a token whose drafter distribution puts
-    its top probability under `min_confidence`: both depend on the row's prefix and earlier
-    drafts only, never on the token itself, so verification stays exact. `max_behind` bounds
+    `budget[b]` tokens (k when None) and stops before a token where the drafter's top
+    probability (softmax of its logits, before temperature) is under `min_confidence`: both
+    depend on the row's prefix and earlier drafts only, never on the token itself, so
+    verification stays exact (docs/algorithms.md, chain verification). `max_behind` bounds
     how far the drafter's cache trails the committed prefix. With `stop_early` (a named host
     read per token, for the CPU: Models.trim_drafts) the loop ends once no row drafts on.
     The drafter ends with pending and the drafts but the last written after the prefix."""
@@ -78,6 +80,7 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
     none = torch.zeros(state.batch, 0, dtype=torch.int64, device=ids.device)
     zero = torch.zeros(state.batch, dtype=torch.int64, device=ids.device)
     going = state.active if budget is None else state.active & (budget > 0)
+    stop_early = stop_early and (budget is not None or min_confidence > 0)  # else every row drafts k
     length = zero.clone()
     tokens, probs, forwards = [], [], 1
     for j in range(k):
