@@ -10,7 +10,8 @@ OpenAI-compatible HTTP server (csd_engine/serving/server.py; needs the `serve` e
 Every option of every strategy is reachable through `--strategy-config` (JSON: one strategy
 name -> its keyword arguments; lists become tuples). The simple flags cover the common ones,
 each for the strategies that take it; a flag the chosen strategy does not take is an error.
-`--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating.
+`--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating;
+`--strategy speculative_auto` is Speculative.auto(): each row chooses its own draft length.
 
     csd-engine serve --target smollm2-135m --drafter mag --strategy speculative --port 8000 \
         --max-batch-size 8 --max-waiting 64

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import csd_engine
-from csd_engine import AutoCascade, Cascade, Pearl, Staged
+from csd_engine import AutoCascade, Cascade, Pearl, Speculative, Staged
 from csd_engine.cli import main, make_strategy, parse_strategy_config
 from tests.tiny_models import VOCAB, tiny_llama
 
@@ -62,6 +62,8 @@ def test_every_strategy_through_its_json_config_gives_greedy_tokens(tmp_path, ca
                            "--prompt", "x", "--strategy", "autoregressive"], capsys)
     configs = [{"autoregressive": {}},
                {"speculative": {"k": 3}},
+               {"speculative": {"k": 3, "min_confidence": 0.2}},
+               {"speculative_auto": {"max_tokens": 3, "min_confidence": 0.4, "model_cost": 0.1}},
                {"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 2, "mag_tokens": 3, "tree": [2, 2]}},
                {"cascade_auto": {"lenience": 2, "max_tokens": 4}},
                {"staged": {"branching": [3, 2, 1], "mag_tokens": 2}},
@@ -81,6 +83,7 @@ def test_json_configs_become_the_strategy_dataclasses():
         Cascade(k_matrix=((2, 4), (0, 4)), lenience=2)
     assert make_strategy("cascade_auto", {"lenience": 3, "max_tokens": 5}) == AutoCascade(lenience=3, max_tokens=5)
     assert make_strategy("pearl", {"gamma": 5}) == Pearl(gamma=5)
+    assert make_strategy("speculative_auto", {"min_confidence": 0.4}) == Speculative.auto(min_confidence=0.4)
     assert parse_strategy_config('{"speculative": {"k": 2}}') == ("speculative", {"k": 2})
 
 
