@@ -81,6 +81,9 @@ STRATEGIES = {
     "autoregressive": ((), Autoregressive()),
     "speculative-model": (("d1",), Speculative(k=3)),
     "speculative-mag": (("mag",), Speculative(k=4)),
+    "speculative-confidence": (("d1",), Speculative(k=3, min_confidence=0.15)),
+    # rows choose lengths, sit out and catch up (the lag is the plan's, read with the step's tokens)
+    "speculative-auto": (("d1",), Speculative.auto(max_tokens=3, model_cost=0.1, min_confidence=0.15)),
     "cascade": (("d1", "mag"), Cascade(k_matrix=[[2, 2], [0, 2]], lenience=2, mag_tokens=2)),
     "cascade3": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=2, mag_tokens=2)),
     "cascade-tree": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], mag_tokens=2, tree=(3, 2))),
