@@ -50,7 +50,7 @@ def largest_deviation_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expe
     categories, which a wrong accept/reject rule typically does. Each category's two-sided
     tail: the normal approximation to its binomial count where n p >= normal_from (skew
     1/sqrt(n p) small), the exact Poisson tail below, where the normal one is far too thin
-    (20 seen at 5 expected: normal 2e-11, Poisson 2e-6) and a correct rule failed the suite."""
+    (20 seen at 5 expected, two-sided: normal 2e-11, Poisson 7e-7) and a correct rule failed the suite."""
     counts, probs = counts.double().flatten(), probs.double().flatten() / probs.sum()
     n = counts.sum()
     expected = probs * n

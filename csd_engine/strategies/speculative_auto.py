@@ -6,9 +6,10 @@ cost: tokens(a) = 1 + alpha + ... + alpha^a, cost(a) = 1 + (width_cost + model_c
 alpha is the row's counted per-token rate at which the target accepted its drafts (accepted over
 checked; a token after a rejection is not checked), starting from `prior_rate` worth `prior`
 tokens: optimistic, because a row learns its rate only by drafting (at 0.5 a drafter costing
-more than half a target forward per token would never be tried). a = 0 is plain decoding: where no row drafts, the drafter sits out the step and catches up on
-the row's next draft. Within a step the drafter also stops a row before a token its top
-probability puts under `min_confidence`.
+more than half a target forward per token would never be tried). a = 0 is plain decoding: where
+no row drafts, the drafter sits out the step and catches up on the row's next draft. Within a
+step the drafter also stops a row before a token its top probability puts under
+`min_confidence`.
 """
 from dataclasses import dataclass
 
