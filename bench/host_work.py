@@ -101,8 +101,7 @@ class Counted:
     def decoder(self, models):
         decoder = self.strategy.decoder(models)
         for name in ("step", "plan"):
-            if hasattr(decoder, name):
-                setattr(decoder, name, self._counted(getattr(decoder, name), name == "step"))
+            setattr(decoder, name, self._counted(getattr(decoder, name), name == "step"))
         return decoder
 
     def _counted(self, fn, is_step):

@@ -187,8 +187,7 @@ class Scheduler:
                 else:
                     runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
                 runner.cache.reset()
-            if hasattr(decoder, "start"):
-                decoder.start(self.state, None)
+            decoder.start(self.state)
             self.step_graphs = kept.graphs if reuse else self._step_graphs()
             if self.step_graphs is not None:
                 engine._kept_steps = KeptSteps(strategy, rows, decoder, self.state, self.step_graphs)
@@ -283,7 +282,7 @@ class Scheduler:
         parts = [out.counts[:, None], out.tokens, nonfinite.long()]
         if out.logprobs is not None:
             parts.append(out.logprobs.view(torch.int32).long())  # the float bits ride along in the one read
-        next_plan = self.decoder.plan(state) if hasattr(self.decoder, "plan") else None
+        next_plan = self.decoder.plan(state)
         if next_plan is not None:
             parts.append(next_plan)
         host = read_host(torch.cat(parts, dim=1))  # the one read
@@ -326,7 +325,7 @@ class Scheduler:
         engine = self.engine
         if engine.cuda_graphs != "step" or engine.device.type != "cuda":
             return None
-        if not getattr(self.decoder, "step_graphs", True):
+        if not self.decoder.step_graphs:
             raise ValueError(f"cuda_graphs='step' cannot capture {type(self.decoder).__name__}'s step (its drafter "
                              "runs in a thread of its own): use cuda_graphs=True (graphed forwards) for it")
         if not all(isinstance(r, LlamaRunner) for r in engine.models()):
@@ -497,8 +496,7 @@ class Scheduler:
             runner.cache.lengths[index.to(runner.device)] = state.committed[index].to(runner.device)
             runner.nonfinite_rows.masked_fill_(mask.to(runner.device), False)
         state.metrics.reset_rows(mask)
-        if hasattr(self.decoder, "admit"):
-            self.decoder.admit(mask)
+        self.decoder.admit(mask)
         self._rows_changed()
 
     def _free(self, request: Request) -> None:
@@ -521,8 +519,6 @@ class Scheduler:
 
     def _read_plan(self):
         """The decoder's plan rows of the occupied slots (read once in a step that admits)."""
-        if not hasattr(self.decoder, "plan"):
-            return None
         rows = self.decoder.plan(self.state)
         if rows is None:
             return None
@@ -549,7 +545,7 @@ class Scheduler:
             seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True,
             metrics=StepMetrics.zeros(rows, dev, levels=1 + len(self.engine.drafters),
                                       positions=self.decoder.max_tokens_per_forward,
-                                      sources=len(getattr(self.decoder, "sources", ()))))
+                                      sources=len(self.decoder.sources)))
 
 
 def _runs(rows: list[int]):

@@ -65,7 +65,7 @@ class StepGraphs:
 
     def key(self, state, plan) -> tuple:
         columns = None if plan is None else tuple(max(column) for column in zip(*plan))
-        if columns is not None and hasattr(self.decoder, "graph_columns"):
+        if columns is not None:
             columns = self.decoder.graph_columns(columns)
         bound = min(-(-max(state.max_committed, 1) // COMMITTED_BUCKET) * COMMITTED_BUCKET,
                     max(self.limit, state.max_committed))

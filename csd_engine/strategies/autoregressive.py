@@ -1,9 +1,7 @@
 """Plain decoding: one target forward per token. The baseline every strategy must equal."""
 from dataclasses import dataclass
 
-import torch
-
-from csd_engine.strategies.base import DecodeState, Draft, Models, StepOutput, commit, verify_chain
+from csd_engine.strategies.base import DecodeState, Decoder, Draft, Models, StepOutput, commit, verify_chain
 
 
 @dataclass(frozen=True)
@@ -14,14 +12,13 @@ class Autoregressive:
         return AutoregressiveDecoder(models)
 
 
-class AutoregressiveDecoder:
+class AutoregressiveDecoder(Decoder):
     max_tokens_per_forward = 1
 
     def __init__(self, models: Models):
         self.models = models
 
     def step(self, state: DecodeState, plan=None) -> StepOutput:
-        nothing = torch.zeros(state.batch, 0, dtype=torch.int64, device=state.pending.device)
-        out, _ = verify_chain(self.models, state, Draft(nothing, nothing.sum(1)), counters=1)
+        out, _ = verify_chain(self.models, state, Draft.empty(state), counters=1)
         commit(state, out)
         return out

@@ -86,6 +86,12 @@ class Draft:
     length: torch.Tensor  # [B] int64
     q: torch.Tensor | None = None  # [B, W, V] what each token was drawn from; None: all deterministic (one-hot)
 
+    @classmethod
+    def empty(cls, state: "DecodeState") -> "Draft":
+        """No draft token for any row: the step decodes one token plainly."""
+        tokens = torch.zeros(state.batch, 0, dtype=torch.int64, device=state.pending.device)
+        return cls(tokens, torch.zeros_like(state.committed))
+
 
 @dataclass
 class StepOutput:
@@ -171,6 +177,35 @@ class StepMetrics:
         pos = torch.arange(width, device=accepted.device)[None, :]
         self.accepted_by_position[:, :width] += pos < a[:, None]
         self.drafted_by_position[:, :width] += pos < d[:, None]
+
+
+class Decoder:
+    """What the scheduler calls on a strategy's decoder, each with the default of a decoder that
+    needs none of it. A decoder implements `step` and sets `max_tokens_per_forward`."""
+
+    max_tokens_per_forward: int = 1  # the widest target forward a step feeds (cache headroom, position counters)
+    sources: tuple = ()  # the draft sources whose verdicts StepMetrics.source_* count, by index
+    step_graphs: bool = True  # False: the step is not one stream's device work, never captured
+
+    def start(self, state: DecodeState) -> None:
+        """Once per decode state, before any request: allocate per-row buffers beside it."""
+
+    def admit(self, rows: torch.Tensor) -> None:
+        """New requests took `rows` ([B] bool): forget what the decoder kept of theirs."""
+
+    def plan(self, state: DecodeState) -> torch.Tensor | None:
+        """[B, C] int64 per-row values the next step's shapes depend on, read by the scheduler
+        with the step's tokens (its one host read); None: the step needs none."""
+        return None
+
+    def graph_columns(self, columns: tuple) -> tuple:
+        """The plan's column maxima as a step graph's key; a decoder may zero what its step ignores."""
+        return columns
+
+    def step(self, state: DecodeState, plan) -> StepOutput:
+        """One decoding step over every row of `state`, given the plan's host rows (or their
+        column maxima when replayed from a graph): emit, commit, roll back."""
+        raise NotImplementedError
 
 
 def require_one_device(models: Models, strategy: str) -> None:

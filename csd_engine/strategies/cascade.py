@@ -34,7 +34,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
-from csd_engine.strategies.base import (DecodeState, Draft, Models, StepOutput, commit, one_hot,
+from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, one_hot,
                                         require_one_device, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
@@ -140,7 +140,7 @@ class Working:
     origin: torch.Tensor | None = None  # [B, max_width + 1] source index of each draft slot (when tracked), scratch last
 
 
-class CascadeDecoder:
+class CascadeDecoder(Decoder):
     track_sources = False  # count the target's verdicts per top-level source (StepMetrics.source_*)
 
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
@@ -165,7 +165,7 @@ class CascadeDecoder:
             if self.tree else {}
 
     # -- the plan each step reads ---------------------------------------------------------------
-    def plan_rows(self, state: DecodeState) -> torch.Tensor:
+    def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, drafters + neural sources + 1]: per row, how far each drafter's cache trails the
         committed prefix (0 for MaG), then its budget of each neural source (a review adds at
         least one token, so that many review rounds are enough for the row; 0 when the row goes
@@ -179,8 +179,6 @@ class CascadeDecoder:
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]
         return torch.stack(lag + neural + [width], 1)
-
-    plan = plan_rows  # the engine calls decoder.plan(state)
 
     def graph_columns(self, columns: tuple) -> tuple:
         """The plan's column maxima as a step graph's key (csd_engine.step_graphs): the drafters'

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Models, StepMetrics, StepOutput,
+from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
                                         commit, emitted_block, emitted_logprobs, forward_tokens)
 from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
 
@@ -119,7 +119,7 @@ def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, n
     return torch.where(mask, torch.cat([carried, new[:, :1]], 1), new)
 
 
-class PearlDecoder:
+class PearlDecoder(Decoder):
     step_graphs = False  # its drafter runs in a worker thread: the step is not one stream's device work
 
     def __init__(self, engine, gamma: int, drafter_index: int, adaptive: bool):
@@ -136,7 +136,7 @@ class PearlDecoder:
         on_cuda = self.drafter_device.type == "cuda"
         self.side_stream = torch.cuda.Stream(self.drafter_device) if on_cuda else None
 
-    def start(self, state: DecodeState, prompt_ids) -> None:
+    def start(self, state: DecodeState) -> None:
         b, dev = state.batch, state.pending.device
         self.post = torch.zeros(b, dtype=torch.bool, device=dev)  # row has gamma-1 drafts carried
         self.carry = torch.zeros(b, self.gamma - 1, dtype=torch.int64, device=dev)

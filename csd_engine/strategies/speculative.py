@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, catch_up_tokens,
+from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Decoder, Draft, Models, StepOutput, catch_up_tokens,
                                         commit, forward_tokens, logits_at, require_one_device, roll_back_drafters,
                                         verify_chain)
 
@@ -113,7 +113,7 @@ def mag_draft(mag: MaG, state: DecodeState, k: int) -> Draft:
     return Draft(proposal.tokens, proposal.length * state.active)
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(Decoder):
     def __init__(self, models: Models, k: int, drafter_index: int, min_confidence: float = 0.0):
         self.models = models
         self.drafter = models.drafters[drafter_index]

@@ -65,7 +65,8 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         self.config, self.model_cost, self.width_cost = config, model_cost, width_cost
 
     def budget(self, state: DecodeState) -> torch.Tensor:
-        """[B] each active row's draft length for the next step (0 for the others)."""
+        """[B] each active row's draft length for the next step (0 for the others). The plan and
+        the step each compute it from the same counts: a graphed step sees only the plan's maxima."""
         counts, config = state.metrics, self.config
         rate = counted_rate(counts.source_accepted[0], counts.source_checked[0], config.prior, config.prior_rate)
         return chain_budget(rate, self.k, self.model_cost, self.width_cost) * state.active
@@ -85,8 +86,7 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
                                 max_behind=max(behind, 1), budget=self.budget(state),
                                 min_confidence=self.min_confidence, stop_early=self.models.trim_drafts)
         else:  # nobody drafts: a plain decoding step, the drafter untouched
-            none = torch.zeros(state.batch, 0, dtype=torch.int64, device=state.pending.device)
-            draft = Draft(none, torch.zeros_like(state.committed))
+            draft = Draft.empty(state)
         out, accepted = verify_chain(self.models, state, draft, counters=self.k + 1)
         state.metrics.record_sources(torch.zeros_like(draft.tokens), draft.length, accepted, state.active, [0])
         roll_back_drafters([self.drafter], state.committed + accepted + 1)

@@ -20,7 +20,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.ops import PADDING
-from csd_engine.strategies.base import DecodeState, Models, StepOutput, commit, require_one_device
+from csd_engine.strategies.base import DecodeState, Decoder, Models, StepOutput, commit, require_one_device
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)
 
@@ -73,7 +73,7 @@ class Staged:
         return StagedDecoder(engine, self)
 
 
-class StagedDecoder:
+class StagedDecoder(Decoder):
     def __init__(self, engine: Models, config: Staged):
         self.models = engine
         self.drafter = engine.drafters[config.drafter]
