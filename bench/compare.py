@@ -110,6 +110,8 @@ METHODS = {
     "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
                         lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4))),
     "spec-auto": ("csd_engine Speculative.auto(0.5B)", lambda s, a: EngineMethod(s.engine, Speculative.auto())),
+    "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)",
+                       lambda s, a: EngineMethod(s.engine_quantized("int8"), Speculative.auto())),
     "spec-auto-conf": ("csd_engine Speculative.auto(0.5B, min_confidence=0.4)",
                        lambda s, a: EngineMethod(s.engine, Speculative.auto(min_confidence=0.4))),
     "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})",
@@ -129,6 +131,8 @@ METHODS = {
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
                     lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
     "cascade-auto": ("csd_engine Cascade.auto()", lambda s, a: EngineMethod(s.engine, Cascade.auto())),
+    "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)",
+                          lambda s, a: EngineMethod(s.engine_quantized("int8"), Cascade.auto())),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);

@@ -2,7 +2,8 @@
 
 build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/algorithms.md, Token trees).
 dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on CPUs without
-native bf16 arithmetic (csrc/bf16_linear.cpp).
+native bf16 arithmetic (csrc/bf16_linear.cpp); int8_linear(x, q, scale, bias) -> the same for an
+int8 weight with a scale per output row, where int8_kernel_runs (elsewhere the caller uses torch's op).
 
 The extension is optional: without it (or without a kernel for the input's device) every op runs
 its reference, after one warning.
@@ -38,6 +39,7 @@ def _devices_with_kernel(op_name: str) -> frozenset[str]:
 
 _TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
 _BF16_LINEAR_DEVICES = _devices_with_kernel("csd_engine::bf16_linear")
+_INT8_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int8_linear")
 
 
 @functools.cache
@@ -167,6 +169,28 @@ def bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     whatever their number: batch-invariant as it is)."""
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays())
+
+
+def int8_kernel_runs(device, dtype: torch.dtype) -> bool:
+    """Whether int8 weights for `dtype` activations on `device` take csd_engine's int8 kernel: bf16
+    on a CPU where the bf16 kernel runs (same tiles, half the weight bytes; torch's
+    _weight_int8pack_mm there costs about the bf16 kernel's time for one row and grows with the
+    rows). Its rows are batch-invariant too."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "cpu" in _INT8_LINEAR_DEVICES
+            and bf16_kernel_pays())
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x q^T * scale (+ bias) for bf16 x, int8 q [N, K] and scale [N] on csd_engine's CPU kernel
+    (where int8_kernel_runs; elsewhere torch's _weight_int8pack_mm is the op)."""
+    return torch.ops.csd_engine.int8_linear(x, q, scale, bias)
+
+
+if "cpu" in _INT8_LINEAR_DEVICES:
+    @torch.library.register_fake("csd_engine::int8_linear")
+    def _int8_linear_fake(x, weight, scale, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 if "cpu" in _BF16_LINEAR_DEVICES:

@@ -1,10 +1,13 @@
-// y = x W^T (+ bias) for bf16 x [M, K] and W [N, K] on the CPU: fp32 accumulation, bf16 out.
+// y = x W^T (+ bias) for bf16 x [M, K] on the CPU, W [N, K] in bf16 or in int8 with one scale
+// per output row (y = scale * (x q^T)): fp32 accumulation, bf16 out.
 //
 // Why: on CPUs without native bf16 arithmetic (AVX2, no avx512_bf16/AMX) torch's bf16 matmul
 // costs M times a one-row matmul (measured on a 2-core AVX2 EPYC: 1.5 ms for one row of a
 // 8960x1536 weight, 7 ms for 5 rows, 23 ms for 17), so a target verifying a 5-token draft paid
-// 4x a decoding step and speculation could never win there. This kernel streams W once per call
-// and widens each 8-lane chunk of it to fp32 in registers, reusing it for up to 6 rows of x.
+// 4x a decoding step and speculation could never win there; torch's int8 weight-only op
+// (_weight_int8pack_mm) there was no faster than this kernel's bf16 and also grows with M.
+// Both ops stream W once per call and widen each 8-lane chunk of it to fp32 in registers,
+// reusing it for up to 6 rows of x; int8 streams half the bytes of bf16.
 //
 // Every output y[m, n] is the same sequence of fp32 operations whatever M is (see rows_scalar), so a row's result does not depend on how
 // many other rows share the call: decoding one token and verifying a draft round alike.
@@ -38,18 +41,22 @@ inline float bf16_to_float(uint16_t v) {
   return out;
 }
 
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
 // Per (m, n), every path computes: lane l accumulates w[k] x[m, k] for k = 8 j + l over whole
 // 8-lane chunks (fused multiply-add, in k order), the 8 lanes are summed as
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the k tail is added with FMAs.
-void rows_scalar(const float* x, const uint16_t* w, int64_t K, int64_t m_count, int64_t x_stride, float* out,
+template <typename W>
+void rows_scalar(const float* x, const W* w, int64_t K, int64_t m_count, int64_t x_stride, float* out,
                  int64_t out_stride) {
   for (int64_t m = 0; m < m_count; ++m) {
     float lane[kLanes] = {};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes)
-      for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(bf16_to_float(w[k + l]), x[m * x_stride + k + l], lane[l]);
+      for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(to_float(w[k + l]), x[m * x_stride + k + l], lane[l]);
     float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-    for (; k < K; ++k) sum = std::fma(bf16_to_float(w[k]), x[m * x_stride + k], sum);
+    for (; k < K; ++k) sum = std::fma(to_float(w[k]), x[m * x_stride + k], sum);
     out[m * out_stride] = sum;
   }
 }
@@ -60,6 +67,11 @@ __attribute__((target("avx2,fma"))) inline __m256 widen(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+__attribute__((target("avx2,fma"))) inline __m256 widen(const int8_t* p) {
+  __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+
 __attribute__((target("avx2,fma"))) inline float reduce(__m256 v) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l + (l + 4)
   __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));  // (0+4)+(2+6), (1+5)+(3+7)
@@ -68,8 +80,8 @@ __attribute__((target("avx2,fma"))) inline float reduce(__m256 v) {
 
 // R rows of W (from w, `K` apart) against M rows of x, R * M <= 12 accumulators (with R
 // widened chunks of W and one of x: at most 16 registers): out[m * out_stride + r].
-template <int R, int M>
-__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const uint16_t* w, int64_t K, int64_t x_stride,
+template <typename W, int R, int M>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const W* w, int64_t K, int64_t x_stride,
                                                    float* out, int64_t out_stride) {
   __m256 acc[R][M];
   for (int r = 0; r < R; ++r)
@@ -78,7 +90,12 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const uint16_
   for (; k + kLanes <= K; k += kLanes) {
     __m256 wv[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) wv[r] = widen(w + r * K + k);
+    for (int r = 0; r < R; ++r) {
+      // the next tile's rows, one cache line ahead per row: short rows (int8: K bytes) end before
+      // the hardware prefetcher has ramped up
+      if ((k * sizeof(W)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+      wv[r] = widen(w + r * K + k);
+    }
 #pragma GCC unroll 6
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * x_stride + k);
@@ -89,17 +106,21 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const uint16_
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float sum = reduce(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) sum = std::fma(bf16_to_float(w[r * K + t]), x[m * x_stride + t], sum);
+      for (int64_t t = k; t < K; ++t) sum = std::fma(to_float(w[r * K + t]), x[m * x_stride + t], sum);
       out[m * out_stride + r] = sum;
     }
 }
 
-using TileFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, int64_t, float*, int64_t);
 // Tiles by rows of x: 4 rows of W for up to 3 rows of x (more independent FMA chains when
 // decoding one token), 2 rows of W for 4 to 6.
-constexpr TileFn kQuadTiles[4] = {nullptr, tile_avx2<4, 1>, tile_avx2<4, 2>, tile_avx2<4, 3>};
-constexpr TileFn kPairTiles[kRowsPerTile + 1] = {nullptr,         tile_avx2<2, 1>, tile_avx2<2, 2>, tile_avx2<2, 3>,
-                                                 tile_avx2<2, 4>, tile_avx2<2, 5>, tile_avx2<2, 6>};
+template <typename W>
+constexpr TileFn<W> kQuadTiles[4] = {nullptr, tile_avx2<W, 4, 1>, tile_avx2<W, 4, 2>, tile_avx2<W, 4, 3>};
+template <typename W>
+constexpr TileFn<W> kPairTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 2, 1>, tile_avx2<W, 2, 2>,
+                                                    tile_avx2<W, 2, 3>, tile_avx2<W, 2, 4>, tile_avx2<W, 2, 5>,
+                                                    tile_avx2<W, 2, 6>};
 
 bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -107,21 +128,13 @@ bool has_avx2_fma() {
 }
 #endif
 
-at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-                   "bf16_linear: x and weight must be bfloat16, got ", x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK_VALUE(weight.dim() == 2, "bf16_linear: weight must be 2-D [N, K], got ", weight.dim(), " dimensions");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == weight.size(1), "bf16_linear: x's last dimension (",
-                    x.dim() ? x.size(-1) : 0, ") must equal weight's K (", weight.size(1), ")");
-  const int64_t K = weight.size(1), N = weight.size(0), M = K ? x.numel() / K : 0;
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bf16_linear: bias must be [N] = [", N, "]");
-  }
+// [M, N] fp32 = x W^T for x [M, K] (any float dtype) and W [N, K] of element type W.
+template <typename W>
+at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
+  const int64_t M = K ? x.numel() / K : 0;
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // small: M x K
-  const at::Tensor w = weight.contiguous();
   at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.const_data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
   float* op = acc.mutable_data_ptr<float>();
   // Parallel over groups of 4 W rows; each task sweeps every row of x, up to 6 at a time.
   const int64_t quads = (N + 3) / 4;
@@ -136,30 +149,69 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 #ifdef CSD_X86
         if (has_avx2_fma()) {
           if (rows <= 3 && n1 - n0 == 4) {
-            kQuadTiles[rows](xs, wp + n * K, K, K, out + n, N);
+            kQuadTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
             n = n1;
           }
-          for (; n + 2 <= n1; n += 2) kPairTiles[rows](xs, wp + n * K, K, K, out + n, N);
+          for (; n + 2 <= n1; n += 2) kPairTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
         }
 #endif
         for (; n < n1; ++n) rows_scalar(xs, wp + n * K, K, rows, K, out + n, N);
       }
     }
   });
+  return acc;
+}
+
+void check_args(const char* op, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16, op, ": x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [N, K], got ", weight.dim(), " dimensions");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == weight.size(1), op, ": x's last dimension (",
+                    x.dim() ? x.size(-1) : 0, ") must equal weight's K (", weight.size(1), ")");
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must be [N] = [",
+                      weight.size(0), "]");
+  }
+}
+
+at::Tensor finish(at::Tensor acc, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   if (bias.has_value()) acc.add_(bias->to(at::kFloat));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
+  shape.back() = acc.size(1);
   return acc.to(at::kBFloat16).reshape(shape);
+}
+
+at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_args("bf16_linear", x, weight, bias);
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16, "bf16_linear: weight must be bfloat16, got ",
+                   weight.scalar_type());
+  const at::Tensor w = weight.contiguous();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
+  return finish(matmul_f32(x, wp, w.size(0), w.size(1)), x, bias);
+}
+
+// y = (x q^T) * scale (+ bias): the per-row scale applied to the fp32 sum, as torch's _weight_int8pack_mm.
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& bias) {
+  check_args("int8_linear", x, q, bias);
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kChar, "int8_linear: weight must be int8, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == q.size(0), "int8_linear: scale must be [N] = [",
+                    q.size(0), "], got ", scale.sizes());
+  const at::Tensor w = q.contiguous();
+  at::Tensor acc = matmul_f32(x, w.const_data_ptr<int8_t>(), w.size(0), w.size(1));
+  acc.mul_(scale.to(at::kFloat));
+  return finish(std::move(acc), x, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(csd_engine, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(csd_engine, CPU, m) {
   m.impl("bf16_linear", &bf16_linear_cpu);
+  m.impl("int8_linear", &int8_linear_cpu);
 }
 
 }  // namespace csd_engine

@@ -1,6 +1,6 @@
-"""csd_engine's bf16 CPU matmul (csrc/bf16_linear.cpp, ops.dense_linear): within the rounding
-of fp32 accumulation of the exact product, every output row the same whatever else shares the
-call, its errors, and when dense_linear takes it."""
+"""csd_engine's CPU matmuls for bf16 activations (csrc/bf16_linear.cpp: ops.dense_linear's bf16
+kernel and ops.int8_linear): within the rounding of fp32 accumulation of the exact product, every
+output row the same whatever else shares the call, their errors, and when they are taken."""
 import time
 
 import pytest
@@ -72,8 +72,10 @@ def test_leading_dimensions_and_strided_input_are_kept(gen):
 @needs_kernel
 def test_bad_input_names_the_problem():
     x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="x and weight must be bfloat16, got Float"):
+    with pytest.raises(TypeError, match="x must be bfloat16, got Float"):
         torch.ops.csd_engine.bf16_linear(x.float(), w, None)
+    with pytest.raises(TypeError, match="weight must be bfloat16, got Float"):
+        torch.ops.csd_engine.bf16_linear(x, w.float(), None)
     with pytest.raises(ValueError, match=r"x's last dimension \(8\) must equal weight's K \(4\)"):
         torch.ops.csd_engine.bf16_linear(x, w[:, :4], None)
     with pytest.raises(ValueError, match=r"bias must be \[N\] = \[3\]"):
@@ -110,6 +112,84 @@ def test_a_bad_switch_value_names_the_allowed_ones(monkeypatch):
     try:
         with pytest.raises(ValueError, match=r"CSD_BF16_LINEAR must be 1 .* or 0 .*, got 'yes'"):
             ops.bf16_kernel_pays()
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
+
+
+needs_int8_kernel = pytest.mark.skipif("cpu" not in ops._INT8_LINEAR_DEVICES,
+                                       reason="csd_engine._C has no int8_linear CPU kernel (extension not built)")
+
+
+def int8_case(g, m, n, k, bias):
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) / 64 + 1e-3).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, q, scale, b
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k, bias, gen):
+    """y = (x q^T) s + b: as for bf16, E = (K + 4) 2^-24 s sum|x q| bounds the fp32 sum, plus
+    2^-24 relative for the scaling and for the bias; 2^-8 |v| is the bf16 rounding of the result."""
+    g, seed = gen
+    x, q, s, b = int8_case(g, m, n, k, bias)
+    y = ops.int8_linear(x, q, s, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    bias64 = b.double() if bias else torch.zeros(n, dtype=torch.float64)
+    exact = (x.double() @ q.double().T) * s.double() + bias64
+    magnitude = (x.double().abs() @ q.double().abs().T) * s.double() + bias64.abs()
+    e = (k + 6) * 2.0 ** -24 * magnitude
+    err = (y.double() - exact).abs()
+    assert (err <= e + 2.0 ** -8 * (exact.abs() + e)).all(), f"seed {seed}: worst {(err - e).max().item()}"
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("m,n,k", [s for s in SHAPES if s[0] > 1])
+def test_int8_row_gives_the_same_bits_alone_and_in_any_call(m, n, k, gen):
+    g, seed = gen
+    x, q, s, b = int8_case(g, m, n, k, bias=True)
+    together = ops.int8_linear(x, q, s, b)
+    for i in range(m):
+        assert torch.equal(ops.int8_linear(x[i:i + 1], q, s, b), together[i:i + 1]), f"row {i}, seed {seed}"
+
+
+@needs_int8_kernel
+def test_int8_bad_input_names_the_problem(gen):
+    x, q, s, b = int8_case(gen[0], 2, 3, 8, bias=True)
+    with pytest.raises(TypeError, match="int8_linear: x must be bfloat16, got Float"):
+        ops.int8_linear(x.float(), q, s)
+    with pytest.raises(TypeError, match="int8_linear: weight must be int8, got Int"):
+        ops.int8_linear(x, q.int(), s)
+    with pytest.raises(ValueError, match=r"int8_linear: scale must be \[N\] = \[3\]"):
+        ops.int8_linear(x, q, s[:2])
+    with pytest.raises(ValueError, match=r"int8_linear: x's last dimension \(8\) must equal weight's K \(4\)"):
+        ops.int8_linear(x, q[:, :4], s)
+    torch.library.opcheck(torch.ops.csd_engine.int8_linear, (x, q, s, b))
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_an_int8_layer_takes_the_kernel_where_it_runs_and_torchs_op_elsewhere(forced, monkeypatch, gen):
+    """QuantizedLinear (int8, bf16) on the kernel where the bf16 kernel runs, with no dense copy
+    (the kernel is as fast at every width); elsewhere torch's op. Both compute the same product."""
+    from csd_engine.models.quant import quantize_weight
+    g, _ = gen
+    w, x = torch.randn(24, 64, generator=g).to(torch.bfloat16), torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        layer = quantize_weight(w, "int8", dense_rows=8)  # 5 rows: the packed op, not the dense copy
+        kernel = forced == "1" and "cpu" in ops._INT8_LINEAR_DEVICES
+        assert layer.kernel == kernel and (layer.dense is None) == kernel
+        y = layer(x)
+        want = ops.int8_linear(x, layer.packed, layer.scales) if kernel else \
+            torch.ops.aten._weight_int8pack_mm(x, layer.packed, layer.scales)
+        assert torch.equal(y, want)
+        other = torch.ops.aten._weight_int8pack_mm(x, layer.packed, layer.scales)
+        torch.testing.assert_close(y.float(), other.float(), rtol=2 ** -7, atol=1e-2)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()

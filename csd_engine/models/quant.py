@@ -33,13 +33,14 @@ A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 16; bench/fo
 README): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64 tokens
 137 / 223 / 129, 900 tokens 1852 / 3451 / 1866: the crossover of the whole model is near 16 rows.
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
-quantized model's); drafters do (DRAFTER_DENSE_ROWS).
+quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on a CPU without
+native bf16 takes csd_engine's own kernel instead (ops.int8_linear), which needs no dense copy.
 """
 from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import bf16_kernel_pays, bf16_kernel_takes, dense_linear
+from csd_engine.ops import bf16_kernel_pays, bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -142,8 +143,9 @@ class QuantizedLinear:
         n, k = values.q.shape
         self.shape, self.bits, self.group, self.dtype = (n, k), values.bits, values.group, values.dtype
         self.device = values.q.device
-        self.dense_rows = dense_rows
-        self.dense = dequantize(values).to(values.dtype) if dense_rows else None  # for calls of more rows
+        self.kernel = values.bits == 8 and int8_kernel_runs(self.device, values.dtype)  # csd_engine's int8 kernel
+        self.dense_rows = 0 if self.kernel else dense_rows  # the kernel is as fast as bf16 at every width
+        self.dense = dequantize(values).to(values.dtype) if self.dense_rows else None  # for calls of more rows
         aten = torch.ops.aten
         if values.bits == 8:
             self.packed = values.q.to(torch.int8).contiguous()
@@ -169,6 +171,8 @@ class QuantizedLinear:
         aten = torch.ops.aten
         if self.dense is not None and flat.shape[0] > self.dense_rows:
             y = dense_linear(flat, self.dense)
+        elif self.kernel:
+            y = int8_linear(flat, self.packed, self.scales)
         elif self.bits == 8:
             y = aten._weight_int8pack_mm(flat, self.packed, self.scales)
         elif self.device.type == "cuda":
@@ -192,10 +196,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block:
     row_block > 0: batch-invariant. The rows of x (batch x tokens) go through the matmul in
     zero-padded blocks of exactly `row_block` rows, so every row takes the same kernel with the
     same reduction order whatever else is in the batch (BLAS picks kernels by the row count);
-    csd_engine's bf16 CPU kernel needs no blocks (ops.bf16_kernel_takes)."""
+    csd_engine's CPU kernels (bf16, and int8 where QuantizedLinear.kernel) need no blocks."""
     apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
         (lambda t: dense_linear(t, weight, bias))
-    if not row_block or (not isinstance(weight, QuantizedLinear) and bf16_kernel_takes(x, weight, bias)):
+    kernel = weight.kernel if isinstance(weight, QuantizedLinear) else bf16_kernel_takes(x, weight, bias)
+    if not row_block or kernel:
         return apply(x)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
