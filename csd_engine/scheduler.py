@@ -34,7 +34,7 @@ import torch
 from csd_engine.params import SamplingParams
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.step_graphs import CudaCapture, StepGraphs
-from csd_engine.strategies.base import DecodeState, StepMetrics
+from csd_engine.strategies.base import DecodeState, Decoder, StepMetrics
 from csd_engine.text import IncrementalText
 
 
@@ -165,6 +165,9 @@ class Scheduler:
         reuse = kept is not None and kept.rows == rows and kept.strategy == strategy
         # building the decoder validates the strategy against the drafters (a kept one was)
         decoder = kept.decoder if reuse else strategy.decoder(engine._decoder_models())
+        if not isinstance(decoder, Decoder):
+            raise TypeError(f"{type(strategy).__name__}.decoder() returned a {type(decoder).__name__}, not a "
+                            "csd_engine.strategies.base.Decoder: subclass it (it declares what the scheduler calls)")
         if 2 * decoder.max_tokens_per_forward > HEADROOM:
             # A row can commit up to one forward past its limit in its last step, and a row is
             # fed (masked) once more before it leaves: two forwards must fit.

@@ -221,6 +221,22 @@ def test_a_busy_engine_refuses_a_second_user_and_recovers(models):
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
 
 
+def test_a_strategy_without_a_decoder_protocol_is_refused_clearly(models):
+    """Not a strategy, or a strategy whose decoder does not subclass Decoder: a TypeError naming
+    what is missing, and the engine decodes afterwards."""
+    engine = engine_for(models, "autoregressive", rows=1)
+
+    class DuckTyped:
+        def decoder(self, models):
+            return object()
+
+    with pytest.raises(TypeError, match="unknown strategy 'greedy': pass one of csd_engine.Autoregressive"):
+        engine.generate([[1, 2, 3]], strategy="greedy")
+    with pytest.raises(TypeError, match="DuckTyped.decoder.. returned a object, not a csd_engine.strategies.base.Decoder"):
+        engine.generate([[1, 2, 3]], strategy=DuckTyped())
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
 def test_full_queue_and_bad_requests_are_refused_clearly(models):
     engine = engine_for(models, "autoregressive", rows=1)
     with engine.scheduler(max_waiting=1) as scheduler:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
-from csd_engine.strategies.base import commit
+from csd_engine.strategies.base import Decoder, commit
 from csd_engine.strategies.staged import Staged
 from csd_engine.strategies.tree import TreeShape, branching_parents, verify_tree_and_commit
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
@@ -81,7 +81,7 @@ def test_greedy_with_the_triton_tree_kernel(pair):
                                         max_new_tokens=6)
 
 
-class OracleTrees:
+class OracleTrees(Decoder):
     """A strategy whose trees hold the target's greedy continuation on one random root-to-node
     path, stopped at a fixed depth per row, and wrong tokens everywhere else: every row
     accepts exactly its own depth every step, through children that are not the first, so
