@@ -21,6 +21,15 @@ def gen():
     return torch.Generator().manual_seed(seed), seed
 
 
+def assert_within_fp32_sum_and_bf16_rounding(y, exact, magnitude, roundings, seed):
+    """|y - exact| <= E + 2^-8 (|exact| + E), E = roundings 2^-24 magnitude: each of `roundings`
+    fp32 operations on the way rounds by at most 2^-24 of the sum of magnitudes, and 2^-8 |v| is
+    half a bf16 ulp of the accumulated value v (8 significant bits)."""
+    e = roundings * 2.0 ** -24 * magnitude
+    err = (y.double() - exact).abs()
+    assert (err <= e + 2.0 ** -8 * (exact.abs() + e)).all(), f"seed {seed}: worst {(err - e).max().item()}"
+
+
 def case(g, m, n, k, bias):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -32,18 +41,14 @@ def case(g, m, n, k, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k, bias, gen):
-    """|y - exact| <= E + 2^-8 (|exact| + E): E = K 2^-24 sum|x w| + |b| 2^-24 bounds the fp32
-    sum (K fused multiply-adds, a lane reduction and the bias, each rounding by at most 2^-24
-    relative), 2^-8 |v| is half a bf16 ulp of the accumulated value v (8 significant bits)."""
+    """K fused multiply-adds, a lane reduction (3) and the bias: K + 4 roundings of sum|x w| + |b|."""
     g, seed = gen
     x, w, b = case(g, m, n, k, bias)
     y = torch.ops.csd_engine.bf16_linear(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
     magnitude = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
-    e = (k + 4) * 2.0 ** -24 * magnitude
-    err = (y.double() - exact).abs()
-    assert (err <= e + 2.0 ** -8 * (exact.abs() + e)).all(), f"seed {seed}: worst {(err - e).max().item()}"
+    assert_within_fp32_sum_and_bf16_rounding(y, exact, magnitude, k + 4, seed)
 
 
 @needs_kernel
@@ -133,8 +138,8 @@ def int8_case(g, m, n, k, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_int8_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k, bias, gen):
-    """y = (x q^T) s + b: as for bf16, E = (K + 4) 2^-24 s sum|x q| bounds the fp32 sum, plus
-    2^-24 relative for the scaling and for the bias; 2^-8 |v| is the bf16 rounding of the result."""
+    """y = (x q^T) s + b: the bf16 kernel's K + 4 roundings, plus the scaling and the bias added
+    after it: K + 6 roundings of s sum|x q| + |b|."""
     g, seed = gen
     x, q, s, b = int8_case(g, m, n, k, bias)
     y = ops.int8_linear(x, q, s, b)
@@ -142,9 +147,7 @@ def test_int8_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, 
     bias64 = b.double() if bias else torch.zeros(n, dtype=torch.float64)
     exact = (x.double() @ q.double().T) * s.double() + bias64
     magnitude = (x.double().abs() @ q.double().abs().T) * s.double() + bias64.abs()
-    e = (k + 6) * 2.0 ** -24 * magnitude
-    err = (y.double() - exact).abs()
-    assert (err <= e + 2.0 ** -8 * (exact.abs() + e)).all(), f"seed {seed}: worst {(err - e).max().item()}"
+    assert_within_fp32_sum_and_bf16_rounding(y, exact, magnitude, k + 6, seed)
 
 
 @needs_int8_kernel
