@@ -75,7 +75,7 @@ class DecodeState:
         keep the PyTorch references free of host reads (no value checks on the hot path)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                     seed=stream_seed(self.seed, stream), offset=self.offset, check_values=False,
-                    filtered=self.any_filtered, max_top_k=self.max_top_k)
+                    filtered=self.any_filtered, max_top_k=self.max_top_k, all_greedy=self.all_greedy)
 
 
 @dataclass

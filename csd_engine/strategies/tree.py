@@ -110,7 +110,7 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     n_nodes = tokens.shape[1]
     logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
                                  tree.mask))
-    result = models.verifier.tree(logits, tokens, tree.parents, draft_probs, all_greedy=state.all_greedy,
+    result = models.verifier.tree(logits, tokens, tree.parents, draft_probs,
                                   **state.sampling_args(TARGET_STREAM))
     accepted = result.num_accepted.to(torch.int64)
     path = result.accepted_nodes[:, :tree.max_depth]  # node at depth 1, 2, ...; -1 after the path

@@ -8,6 +8,7 @@ and exact distributions of docs/algorithms.md (chain verification, lenience).
   or emitted_distribution (lenience > 1). The Triton interpreter is slow, so without a GPU the
   kernel gets that test on a few hundred draws of a small vocabulary.
 """
+import functools
 import time
 
 import pytest
@@ -102,7 +103,8 @@ def test_kernel_matches_reference(batch, k, vocab, with_draft_probs, lenience, d
     assert (got.lse[beyond] == 0).all() and (got.threshold[beyond] == 0).all(), f"{where}: past the draft"
 
 
-@pytest.mark.parametrize("impl", [verify_ref, verify])
+@pytest.mark.parametrize("impl", [verify_ref, pytest.param(functools.partial(verify_ref, all_greedy=True),
+                                                              id="verify_ref-all_greedy"), verify])
 @pytest.mark.parametrize("lenience", [1.0, 2.5])
 def test_greedy_rows_follow_the_rule(impl, lenience):
     """Greedy: accept x_j while it is the argmax or (l > 1) l * softmax(x_j) > q(x_j) = 1; emit the
@@ -140,6 +142,19 @@ def test_greedy_rows_follow_the_rule(impl, lenience):
     drafted = torch.arange(k + 1) <= num_drafts[:, None]
     assert torch.allclose(result.lse.cpu()[drafted], lse[drafted], atol=1e-5), f"seed={seed}: greedy lse"
     assert (result.threshold.cpu()[drafted] == float("-inf")).all(), f"seed={seed}: greedy rows are unfiltered"
+
+
+@pytest.mark.parametrize("lenience", [1.0, 2.5])
+def test_the_all_greedy_hint_changes_nothing_but_the_work(lenience):
+    """verify_ref(all_greedy=True) skips the random numbers and residuals: on greedy rows it
+    returns exactly what the general path does, ragged drafts and draft probabilities included."""
+    seed = fresh_seed()
+    inputs = random_batch(torch.Generator().manual_seed(seed), 8, 5, 300, True)
+    inputs["temperature"] = torch.zeros_like(inputs["temperature"])
+    general = verify_ref(**inputs, lenience=lenience)
+    hinted = verify_ref(**inputs, lenience=lenience, all_greedy=True)
+    for name in ("num_accepted", "next_token", "lse", "threshold"):
+        assert torch.equal(getattr(hinted, name), getattr(general, name)), f"seed={seed}: {name}"
 
 
 def cutoff_by_definition(z: torch.Tensor, top_k: int, top_p: float) -> float:
