@@ -210,7 +210,9 @@ class Engine:
         a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
         by_pos = [x / y for x, y in zip(a, d) if y > 0]
         a, d = a[:len(by_pos)], d[:len(by_pos)]
-        by_level = {lvl: level_accepted[lvl] / max(level_drafted[lvl], 1) for lvl in sorted(m.levels)}
+        # a level this row drafted nothing for has no rate (m.levels is the batch's: other rows' reviews)
+        by_level = {lvl: level_accepted[lvl] / max(level_drafted[lvl], 1) for lvl in sorted(m.levels)
+                    if lvl == 0 or level_drafted[lvl] > 0}
         draft_lengths = {} if m.draft_lengths is None else {
             length: rounds for length, rounds in enumerate(m.draft_lengths[row].tolist()) if rounds}
         sizes = [self.target.num_params] + [0 if isinstance(d, MaG) else d.num_params for d in self.drafters]

@@ -66,7 +66,7 @@ class Metrics:
     accepted: int = 0  # draft tokens the target accepted
     drafted: int = 0  # draft tokens offered to the target
     acceptance_by_position: list[float] = field(default_factory=list)
-    acceptance_by_level: dict[int, float] = field(default_factory=dict)  # level 0 = reviews by the target
+    acceptance_by_level: dict[int, float] = field(default_factory=dict)  # level 0 = the target; others: where drafted
     swi: float = 1.0  # standardized walltime improvement (model-size cost model)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length offered to the target -> rounds
     wait_time_s: dict[str, float] = field(default_factory=dict)  # "drafter" / "target": waiting on the other
