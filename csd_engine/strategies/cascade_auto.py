@@ -12,8 +12,10 @@ the top-level MaG budget g <= M that maximise its expected tokens per cost:
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
 assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*), beta: the share of
-MaG tokens the model accepted in its reviews, all counted in this generate call with a prior of
-0.5 worth `prior` drafts; c_model: the model's forward cost relative to the target's, from
+MaG tokens the model accepted in its reviews, all counted in this generate call with a prior worth
+`prior` drafts: `prior_rate` for alpha (0.8, optimistic as in Speculative.auto: a row learns alpha
+only by drafting, and at 0.5 a chat row stopped drafting after its first misses although one-token
+drafts paid there), 0.5 for gamma and beta; c_model: the model's forward cost relative to the target's, from
 parameter counts unless `model_cost` gives it; width_cost: what one more token adds to a
 target forward, by default from the platform (platform_width_cost). a = g = 0 is plain
 decoding: chosen once neither source pays for the width it adds. Nothing here is timed: a
@@ -38,7 +40,8 @@ class AutoCascade:
     direct_match: int = 8
     direct_tokens: int = 16
     width_cost: float | None = None  # one more token's cost in a target forward, relative to a one-token one
-    prior: float = 4.0  # drafts' worth of the prior acceptance rate 0.5
+    prior: float = 4.0  # drafts' worth of the prior acceptance rates
+    prior_rate: float = 0.8  # the model's prior rate alpha (MaG's and the reviews' start at 0.5)
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
 
     def __post_init__(self):
@@ -48,6 +51,9 @@ class AutoCascade:
                 raise ValueError(f"Cascade.auto({name}=...) must be an int >= 1, got {value!r}")
         if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
             raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
+        if isinstance(self.prior_rate, bool) or not isinstance(self.prior_rate, (int, float)) \
+                or not 0 <= self.prior_rate < 1:
+            raise ValueError(f"Cascade.auto(prior_rate=...) must be a number in [0, 1), got {self.prior_rate!r}")
         if self.width_cost is not None and not self.width_cost >= 0:
             raise ValueError(f"width_cost must be >= 0 (relative to one target forward), got {self.width_cost!r}")
         if self.model_cost is not None and not self.model_cost > 0:
@@ -94,7 +100,7 @@ class AutoCascadeDecoder(CascadeDecoder):
             alpha = reviews = torch.zeros_like(gamma)[:, None, None]
         else:
             alpha = self._rate(counts.source_accepted[self.neural_source.index],
-                               counts.source_checked[self.neural_source.index])[:, None, None]
+                               counts.source_checked[self.neural_source.index], self.config.prior_rate)[:, None, None]
             beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None]
             reviews = torch.ceil(a / (1 + beta * self.mag_tokens))
         gamma = gamma[:, None, None]
@@ -108,5 +114,5 @@ class AutoCascadeDecoder(CascadeDecoder):
         budgets[top_mag] = torch.where(direct, budgets[top_mag], self.mag_grid[pick_g])
         return budgets, torch.where(direct, cap, self.mag_grid[pick_g])
 
-    def _rate(self, accepted: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-        return counted_rate(accepted, counted, self.config.prior)
+    def _rate(self, accepted: torch.Tensor, counted: torch.Tensor, prior_rate: float = 0.5) -> torch.Tensor:
+        return counted_rate(accepted, counted, self.config.prior, prior_rate)

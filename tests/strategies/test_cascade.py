@@ -2,6 +2,8 @@
 K and lenience; sampling follows the target at every temperature, lenience included."""
 import random
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -218,6 +220,26 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
         wide = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width).decoder(engine._decoder_models())
         budgets, cap = wide.budgets(state, torch.tensor([False, False]))
         assert (budgets[mag][1] > 0) == paid and cap[1] == budgets[mag][1], (width, budgets[mag])
+
+
+def test_auto_starts_from_an_optimistic_model_rate(models):
+    """A row learns the model's rate only by drafting: a fresh row starts at prior_rate (0.8) and
+    drafts more than at 0.5, at the CPU costs where 0.5 stopped chat rows too soon; a rate outside
+    [0, 1) is refused."""
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
+    picked = {}
+    for rate in (0.8, 0.5):
+        decoder = Cascade.auto(model_cost=0.35, width_cost=0.15, prior_rate=rate).decoder(engine._decoder_models())
+        state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
+                                pending=torch.zeros(1, dtype=torch.int64))
+        budgets, _ = decoder.budgets(state, torch.tensor([False]))
+        picked[rate] = int(budgets[decoder.neural_source.index][0])
+    assert picked[0.8] > picked[0.5], picked
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(ValueError, match=r"prior_rate=\.\.\.\) must be a number in \[0, 1\)"):
+            Cascade.auto(prior_rate=bad)
 
 
 @pytest.mark.parametrize("forced", ["1", "0"])
