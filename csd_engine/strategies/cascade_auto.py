@@ -14,10 +14,10 @@ over checked, where a token after a rejection is not checked: the rate the geome
 assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*), beta: the share of
 MaG tokens the model accepted in its reviews, all counted in this generate call with a prior worth
 `prior` drafts: `prior_rate` for alpha (0.8, optimistic as in Speculative.auto: a row learns alpha
-only by drafting, and at 0.5 a chat row stopped drafting after its first misses although one-token
-drafts paid there), 0.5 for gamma and beta; c_model: the model's forward cost relative to the target's, from
-parameter counts unless `model_cost` gives it; width_cost: what one more token adds to a
-target forward, by default from the platform (platform_width_cost). a = g = 0 is plain
+only by drafting, so a pessimistic start stops it for good after a few misses), 0.5 for gamma and
+beta; c_model: the model's forward cost relative to the target's, from parameter counts unless
+`model_cost` gives it; width_cost: what one more token adds to a target forward, by default from
+the platform (platform_width_cost). a = g = 0 is plain
 decoding: chosen once neither source pays for the width it adds. Nothing here is timed: a
 seeded request gives the same tokens whatever shares its batch and however often it runs.
 Rows with a long MaG match go direct (Cascade.direct_match, direct_tokens).

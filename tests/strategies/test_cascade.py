@@ -1,7 +1,6 @@
 """Cascade Speculative Drafting is lossless: greedy equals plain greedy decoding for any valid
 K and lenience; sampling follows the target at every temperature, lenience included."""
 import random
-
 from types import SimpleNamespace
 
 import pytest
