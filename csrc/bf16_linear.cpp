@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kRowsPerTile = 6;  // rows of x sharing one widened chunk of W
 constexpr int64_t kLanes = 8;
+constexpr int64_t kGroupRows = 24;   // W rows per parallel work item: a multiple of 4, 3 and 2
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -89,17 +90,18 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const W* w, i
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     __m256 wv[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       // the next tile's rows, one cache line ahead per row: short rows (int8: K bytes) end before
       // the hardware prefetcher has ramped up
       if ((k * sizeof(W)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
       wv[r] = widen(w + r * K + k);
     }
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * x_stride + k);
-#pragma GCC unroll 4
+      __m256 xv = _mm256_loadu_ps(x + m * x_stride + k);
+      asm("" : "+x"(xv));  // one load per chunk of x: folded into each FMA it would be loaded R times
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
     }
   }
@@ -113,14 +115,19 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const W* w, i
 
 template <typename W>
 using TileFn = void (*)(const float*, const W*, int64_t, int64_t, float*, int64_t);
-// Tiles by rows of x: 4 rows of W for up to 3 rows of x (more independent FMA chains when
-// decoding one token), 2 rows of W for 4 to 6.
+// Tiles by rows of x, each within 16 registers (4 x 3 spilled): 4 rows of W for 1 or 2 rows of x
+// (more independent FMA chains when decoding one token), 3 for 3 or 4 (with x and W in L1 the
+// fastest on Zen 3, 70-79 GFLOP/s a core against a 100 GFLOP/s FMA peak), 2 for 5 or 6; 1 row
+// of W for a group's last rows.
+constexpr int kTileRowsOfW[kRowsPerTile + 1] = {0, 4, 4, 3, 3, 2, 2};
 template <typename W>
-constexpr TileFn<W> kQuadTiles[4] = {nullptr, tile_avx2<W, 4, 1>, tile_avx2<W, 4, 2>, tile_avx2<W, 4, 3>};
+constexpr TileFn<W> kTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 4, 1>, tile_avx2<W, 4, 2>,
+                                                tile_avx2<W, 3, 3>, tile_avx2<W, 3, 4>, tile_avx2<W, 2, 5>,
+                                                tile_avx2<W, 2, 6>};
 template <typename W>
-constexpr TileFn<W> kPairTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 2, 1>, tile_avx2<W, 2, 2>,
-                                                    tile_avx2<W, 2, 3>, tile_avx2<W, 2, 4>, tile_avx2<W, 2, 5>,
-                                                    tile_avx2<W, 2, 6>};
+constexpr TileFn<W> kSingleTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 1, 1>, tile_avx2<W, 1, 2>,
+                                                      tile_avx2<W, 1, 3>, tile_avx2<W, 1, 4>, tile_avx2<W, 1, 5>,
+                                                      tile_avx2<W, 1, 6>};
 
 bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -136,23 +143,25 @@ at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
   at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.const_data_ptr<float>();
   float* op = acc.mutable_data_ptr<float>();
-  // Parallel over groups of 4 W rows; each task sweeps every row of x, up to 6 at a time.
-  const int64_t quads = (N + 3) / 4;
-  at::parallel_for(0, quads, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t quad = lo; quad < hi; ++quad) {
-      const int64_t n0 = 4 * quad, n1 = std::min(n0 + 4, N);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerTile) {
-        const int64_t rows = std::min(kRowsPerTile, M - m0);
+  // x's rows in near-equal tiles of at most kRowsPerTile (7 = 4 + 3, not 6 + 1: a 1-row tile
+  // does a sixth of the work per W chunk it widens).
+  const int64_t tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  // Parallel over groups of kGroupRows W rows (a multiple of every tile's W rows); each task
+  // sweeps every tile of x rows over its groups.
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  at::parallel_for(0, groups, 2, [&](int64_t lo, int64_t hi) {
+    for (int64_t group = lo; group < hi; ++group) {
+      const int64_t n0 = kGroupRows * group, n1 = std::min(n0 + kGroupRows, N);
+      for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
+        const int64_t rows = M / tiles + (tile < M % tiles);
         const float* xs = xp + m0 * K;
         float* out = op + m0 * N;
+        m0 += rows;
         int64_t n = n0;
 #ifdef CSD_X86
         if (has_avx2_fma()) {
-          if (rows <= 3 && n1 - n0 == 4) {
-            kQuadTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
-            n = n1;
-          }
-          for (; n + 2 <= n1; n += 2) kPairTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
+          for (const int64_t r = kTileRowsOfW[rows]; n + r <= n1; n += r) kTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
+          for (; n < n1; ++n) kSingleTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
         }
 #endif
         for (; n < n1; ++n) rows_scalar(xs, wp + n * K, K, rows, K, out + n, N);
