@@ -130,7 +130,7 @@ class Working:
 
     base: torch.Tensor  # [B] first draft slot: committed + 1
     budgets: list  # per source (Source.index): [B] tokens each row asks of it
-    mag_cap: torch.Tensor  # [B] tokens a top-level MaG call may add to a row
+    mag_caps: list  # per source (Source.index): [B] tokens one MaG call may add to a row (None: neural)
     q: torch.Tensor | None  # [B, max_width + 1, V] proposal of each draft slot, then a scratch slot (None: all greedy)
     reviews: torch.Tensor  # [B] reviews each row had this step (its random stream ids)
     lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
@@ -200,24 +200,27 @@ class CascadeDecoder(Decoder):
         direct = proposal.match >= self.direct_match
         return direct, torch.where(direct, proposal.length, self.max_draft)
 
-    def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """Per source and row, the tokens K asks; a direct row asks nothing of its neural
-        sources and one MaG call at the top, whose proposal (up to its cap, direct_tokens) is the
-        whole draft: the same tokens the plan measured, however wide the step."""
+    def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, list]:
+        """Per source and row, the tokens K asks, and for MaG sources the most tokens one call
+        adds (mag_tokens); a direct row asks nothing of its neural sources and one MaG call at
+        the top, whose proposal (up to its cap, direct_tokens) is the whole draft: the same tokens
+        the plan measured, however wide the step."""
         budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
+        caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
+                for s in self.sources]
         for s in self.sources:
             if s.below is not None:
                 budgets[s.index] = torch.where(direct, 0, budgets[s.index])
             elif s in self.levels.sources:
                 budgets[s.index] = torch.where(direct, 1, budgets[s.index])
-        cap = torch.where(direct, self.direct_tokens, self.mag_tokens)
-        return budgets, cap
+                caps[s.index] = torch.where(direct, self.direct_tokens, self.mag_tokens)
+        return budgets, caps
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, state: DecodeState, plan) -> StepOutput:
         direct, _ = self._direct(state)  # the same flags the plan read (same committed sequence)
-        budgets, cap = self.budgets(state, direct)
-        work = self._working(state, plan, budgets, cap)
+        budgets, caps = self.budgets(state, direct)
+        work = self._working(state, plan, budgets, caps)
         length = self._draft(state, work, self.levels, work.base.clone(), state.active, grown=0)
         q = None if work.q is None else work.q[:, :work.width]
         draft = Draft(self._window(state, work.base, work.width), (length - work.base).clamp(max=work.width), q)
@@ -232,7 +235,7 @@ class CascadeDecoder(Decoder):
         commit(state, out)
         return out
 
-    def _working(self, state: DecodeState, plan, budgets, cap) -> Working:
+    def _working(self, state: DecodeState, plan, budgets, caps) -> Working:
         b, dev = state.batch, state.pending.device
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         columns = [max(column) for column in zip(*plan)]  # over the active rows
@@ -244,7 +247,7 @@ class CascadeDecoder(Decoder):
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
-        return Working(state.committed + 1, budgets, cap, q, torch.zeros(b, dtype=torch.int64, device=dev),
+        return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev),
                        max(columns[:n]), rounds, width, alt, origin)
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
@@ -258,7 +261,7 @@ class CascadeDecoder(Decoder):
                 need = (length < goal) & rows
                 if source.below is None:
                     m = work.width if level is self.levels else self.mag_tokens
-                    length = self._mag_append(state, work, source, length, need, m, level is self.levels)
+                    length = self._mag_append(state, work, source, length, need, m)
                     grown += m
                 else:
                     sub = self._draft(state, work, source.below, length.clone(), need, grown)
@@ -266,11 +269,11 @@ class CascadeDecoder(Decoder):
                     grown += source.below.max_growth + 1
         return length
 
-    def _mag_append(self, state, work: Working, source: Source, length, need, m: int, top: bool):
+    def _mag_append(self, state, work: Working, source: Source, length, need, m: int):
         """MaG proposes up to m tokens after each row's working sequence (one-hot q); a row keeps
-        at most its cap (mag_tokens, or a direct row's direct_tokens)."""
+        at most its cap for this source (work.mag_caps)."""
         proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
-        keep = proposal.length.clamp(max=work.mag_cap if top else self.mag_tokens) * need
+        keep = torch.minimum(proposal.length, work.mag_caps[source.index]) * need
         col = torch.arange(m, device=length.device)[None, :]
         self._write(state, work, source, length, proposal.tokens, col < keep[:, None], None)
         return length + keep

@@ -2,12 +2,13 @@
 
 The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
 K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then up to M = mag_tokens
-MaG tokens, which MaG proposes only where it matches, at no forward's cost; the model
-reviews M MaG tokens at a time). Before each step a row picks the model budget a <= A and
-the top-level MaG budget g <= M that maximise its expected tokens per cost:
+MaG tokens, which MaG proposes only where it matches, at no forward's cost; the model reviews
+up to min(M, a - 1) MaG tokens at a time: more would only widen its forwards). Before each
+step a row picks the model budget a <= A and the top-level MaG budget g <= M that maximise
+its expected tokens per cost:
 
     tokens(a, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
-    cost(a, g)   = 1 + width_cost (a + g) + c_model ceil(a / (1 + beta M))
+    cost(a, g)   = 1 + width_cost (a + g) + c_model ceil(a / (1 + beta min(M, a - 1)))
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
@@ -87,11 +88,12 @@ class AutoCascadeDecoder(CascadeDecoder):
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
+        self.sub_mag_source = self.neural_source.below.sources[0] if self.neural_source else None
         self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
         self.mag_grid = torch.arange(mag_tokens + 1, device=models.device)
 
     def budgets(self, state: DecodeState, direct: torch.Tensor):
-        budgets, cap = super().budgets(state, direct)
+        budgets, caps = super().budgets(state, direct)
         counts, w = state.metrics, self.width_cost
         gamma = self._rate(counts.source_accepted[self.mag_source.index], counts.source_checked[self.mag_source.index])
         g = self.mag_grid.to(gamma.dtype)[None, None, :]  # [1, 1, M + 1]
@@ -102,17 +104,22 @@ class AutoCascadeDecoder(CascadeDecoder):
             alpha = self._rate(counts.source_accepted[self.neural_source.index],
                                counts.source_checked[self.neural_source.index], self.config.prior_rate)[:, None, None]
             beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None]
-            reviews = torch.ceil(a / (1 + beta * self.mag_tokens))
+            reviews = torch.ceil(a / (1 + beta * (a - 1).clamp(0, self.mag_tokens)))
         gamma = gamma[:, None, None]
         tokens = geometric(alpha, a) + alpha ** a * (geometric(gamma, g) - 1)  # [B, A + 1, M + 1]
         cost = 1 + w * (a + g) + self.model_cost * reviews
         best = (tokens / cost).flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
         pick_a, pick_g = best // self.mag_grid.numel(), best % self.mag_grid.numel()
         if self.neural_source is not None:
-            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[pick_a])
+            model = self.grid[pick_a]
+            budgets[self.neural_source.index] = torch.where(direct, 0, model)
+            # the model needs a - 1 MaG tokens besides its own: more would widen its forwards for
+            # tokens past its budget
+            caps[self.sub_mag_source.index] = (model - 1).clamp(0, self.mag_tokens)
         top_mag = self.mag_source.index
         budgets[top_mag] = torch.where(direct, budgets[top_mag], self.mag_grid[pick_g])
-        return budgets, torch.where(direct, cap, self.mag_grid[pick_g])
+        caps[top_mag] = torch.where(direct, caps[top_mag], self.mag_grid[pick_g])
+        return budgets, caps
 
     def _rate(self, accepted: torch.Tensor, counted: torch.Tensor, prior_rate: float = 0.5) -> torch.Tensor:
         return counted_rate(accepted, counted, self.config.prior, prior_rate)

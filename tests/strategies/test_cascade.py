@@ -153,6 +153,23 @@ def test_auto_verifies_no_wider_than_the_rows_budgets(models):
     assert widths and max(widths) <= 5, widths
 
 
+def test_auto_model_reviews_no_more_mag_tokens_than_its_budget_needs(models):
+    """A model asked for a tokens gets its first from its own forward and needs at most a - 1
+    of MaG's: at max_tokens=1 it reviews none (its forwards stay one token wide), while with a
+    larger budget it reviews MaG's matches on the same repetitive prompts."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=96, verify_backend="torch")
+    prompts = [p[:3] * 5 for p in random_prompts(2, lo=3, hi=6, seed=11)]
+    reviewed = {}
+    for a in (1, 6):
+        out = assert_greedy_equals_autoregressive(
+            engine, prompts, Cascade.auto(max_tokens=a, mag_tokens=4, model_cost=0.01, prior_rate=0.99,
+                                          direct_match=0), max_new_tokens=24)
+        reviewed[a] = [1 in r.metrics.acceptance_by_level for r in out]
+        assert all(sum(r.metrics.drafter_forwards) > 0 for r in out), a  # the model drafted
+    assert not any(reviewed[1]) and any(reviewed[6]), reviewed
+
+
 def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
     """Engine.trim_drafts (on for a CPU engine): the target and the drafter's reviews read only
     up to the batch's longest real draft, fewer tokens than the host-known bounds the device path
@@ -202,23 +219,24 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
     state.metrics.source_accepted[model] = torch.tensor([1000, 0])
     state.metrics.source_checked[model] = torch.tensor([1000, 1000])
-    budgets, _ = decoder.budgets(state, torch.tensor([False, False]))
+    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
+    assert caps[decoder.sub_mag_source.index].tolist() == [4, 0]  # the model reviews min(M, a - 1) MaG tokens
     budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
     assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
     # MaG's top-level tokens: proposed in full where the target takes them, not at all where it never does
     mag = decoder.mag_source.index
     state.metrics.source_accepted[mag] = torch.tensor([1000, 0])
     state.metrics.source_checked[mag] = torch.tensor([1000, 1000])
-    budgets, cap = decoder.budgets(state, torch.tensor([False, False]))
-    assert budgets[mag].tolist() == [4, 0] and cap.tolist() == [4, 0]
+    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
+    assert budgets[mag].tolist() == [4, 0] and caps[mag].tolist() == [4, 0]
     # ... and only where they pay for the width they add: at a 12% rate (row 1, whose model drafts
     # nothing) one token pays at width_cost 0.02 (1.12 tokens for 1.02), none at 0.15 (for 1.15)
     state.metrics.source_accepted[mag] = torch.tensor([120, 120])
     for width, paid in ((0.02, True), (0.15, False)):
         wide = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width).decoder(engine._decoder_models())
-        budgets, cap = wide.budgets(state, torch.tensor([False, False]))
-        assert (budgets[mag][1] > 0) == paid and cap[1] == budgets[mag][1], (width, budgets[mag])
+        budgets, caps = wide.budgets(state, torch.tensor([False, False]))
+        assert (budgets[mag][1] > 0) == paid and caps[mag][1] == budgets[mag][1], (width, budgets[mag])
 
 
 def test_auto_starts_from_an_optimistic_model_rate(models):
