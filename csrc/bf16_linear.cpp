@@ -117,17 +117,13 @@ template <typename W>
 using TileFn = void (*)(const float*, const W*, int64_t, int64_t, float*, int64_t);
 // Tiles by rows of x, each within 16 registers (4 x 3 spilled): 4 rows of W for 1 or 2 rows of x
 // (more independent FMA chains when decoding one token), 3 for 3 or 4 (with x and W in L1 the
-// fastest on Zen 3, 70-79 GFLOP/s a core against a 100 GFLOP/s FMA peak), 2 for 5 or 6; 1 row
-// of W for a group's last rows.
+// fastest on Zen 3, 70-79 GFLOP/s a core against a 100 GFLOP/s FMA peak), 2 for 5 or 6. A
+// group's last rows that fill no tile take rows_scalar.
 constexpr int kTileRowsOfW[kRowsPerTile + 1] = {0, 4, 4, 3, 3, 2, 2};
 template <typename W>
 constexpr TileFn<W> kTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 4, 1>, tile_avx2<W, 4, 2>,
                                                 tile_avx2<W, 3, 3>, tile_avx2<W, 3, 4>, tile_avx2<W, 2, 5>,
                                                 tile_avx2<W, 2, 6>};
-template <typename W>
-constexpr TileFn<W> kSingleTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 1, 1>, tile_avx2<W, 1, 2>,
-                                                      tile_avx2<W, 1, 3>, tile_avx2<W, 1, 4>, tile_avx2<W, 1, 5>,
-                                                      tile_avx2<W, 1, 6>};
 
 bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -161,7 +157,6 @@ at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
 #ifdef CSD_X86
         if (has_avx2_fma()) {
           for (const int64_t r = kTileRowsOfW[rows]; n + r <= n1; n += r) kTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
-          for (; n < n1; ++n) kSingleTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
         }
 #endif
         for (; n < n1; ++n) rows_scalar(xs, wp + n * K, K, rows, K, out + n, N);

@@ -12,7 +12,7 @@ from csd_engine import ops
 needs_kernel = pytest.mark.skipif("cpu" not in ops._BF16_LINEAR_DEVICES,
                                   reason="csd_engine._C has no bf16_linear CPU kernel (extension not built)")
 SHAPES = [(1, 1, 8), (1, 4, 1536), (2, 6, 24), (3, 37, 37), (5, 8, 64), (6, 9, 200), (7, 5, 31), (13, 40, 96),
-          (9, 26, 40), (17, 12, 256)]  # (rows of x, N, K): every tile (4, 3, 2 or 1 W rows, 1-6 x rows), a k tail
+          (9, 26, 40), (17, 12, 256)]  # (rows of x, N, K): every tile, the scalar rest, k tails
 
 
 @pytest.fixture

@@ -155,8 +155,8 @@ def test_auto_verifies_no_wider_than_the_rows_budgets(models):
 
 def test_auto_model_reviews_no_more_mag_tokens_than_its_budget_needs(models):
     """A model asked for a tokens gets its first from its own forward and needs at most a - 1
-    of MaG's: at max_tokens=1 it reviews none (its forwards stay one token wide), while with a
-    larger budget it reviews MaG's matches on the same repetitive prompts."""
+    of MaG's: at max_tokens=1 it reviews none, while with a larger budget it reviews MaG's
+    matches on the same repetitive prompts."""
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=96, verify_backend="torch")
     prompts = [p[:3] * 5 for p in random_prompts(2, lo=3, hi=6, seed=11)]
