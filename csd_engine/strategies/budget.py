@@ -1,6 +1,6 @@
 """The cost model the self-tuning strategies share (Speculative.auto(), Cascade.auto()): counted
 acceptance rates, the expected tokens of a draft whose tokens are accepted at a per-token rate,
-and what one more token of width adds to a target forward on this platform.
+and what a forward costs by its width on this platform.
 
 Costs are in target forwards of one token. Nothing here is timed: a row's decision follows
 its own counts only, so a seeded request gives the same tokens whatever shares its batch and
@@ -23,15 +23,31 @@ def geometric(rate: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return (1 - rate ** (n + 1)) / (1 - rate).clamp_min(1e-6)
 
 
-def platform_width_cost(models: Models) -> float:
-    """What one more token adds to a target forward, relative to a one-token forward: 0.15 on a
-    CPU where csd_engine's bf16 kernel runs (no native bf16: the Qwen 1.5B's 5-token forward cost
-    1.52-1.63x its 1-token one on a 2-core AVX2 EPYC, bench/forward_cost.py), else 0.02 (AVX-512:
-    17 tokens 1.18x; a GPU's forward is flat far wider)."""
+# A forward's cost by width (tokens fed) relative to a one-token forward where a bf16 target runs
+# on csd_engine's CPU kernel (no native bf16): the Qwen 1.5B's forwards of 1, 2, 5, 9 and 17
+# tokens on a 2-core AVX2 EPYC (bench/measured/forward-cost-qwen-bf16-avx2-kernel-cpu-2026-11-25.json):
+# nearly flat while streaming the weights dominates, then ~0.27 a token once the matmuls are
+# compute-bound (5 -> 9), 0.15 past that.
+KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.05), (5, 1.52), (9, 2.60), (17, 3.80))
+
+
+def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tensor:
+    """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
+    forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
+    the platform's: KERNEL_WIDTH_COSTS (interpolated, extended at its last slope) where csd_engine's
+    bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (AVX-512: 17 tokens cost 1.18x one;
+    a GPU's forward is flat far wider)."""
+    w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
     target = models.target
     kernel = (models.device.type == "cpu" and getattr(target, "dtype", None) == torch.bfloat16
               and ops.bf16_kernel_pays())
-    return 0.15 if kernel else 0.02
+    if width_cost is None and kernel:
+        x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*KERNEL_WIDTH_COSTS))
+        i = (torch.searchsorted(x, w, right=True) - 1).clamp(0, len(x) - 2)
+        cost = y[i] + (w - x[i]) * (y[i + 1] - y[i]) / (x[i + 1] - x[i])
+    else:
+        cost = 1 + (0.02 if width_cost is None else width_cost) * (w - 1)
+    return cost.to(models.device, torch.float32)
 
 
 def parameter_ratio(models: Models, drafter: int) -> float:
@@ -40,10 +56,11 @@ def parameter_ratio(models: Models, drafter: int) -> float:
     return models.drafters[drafter].num_params / models.target.num_params
 
 
-def chain_budget(rate: torch.Tensor, max_tokens: int, model_cost: float, width_cost: float) -> torch.Tensor:
+def chain_budget(rate: torch.Tensor, max_tokens: int, model_cost: float, costs: torch.Tensor) -> torch.Tensor:
     """[B] draft length a <= max_tokens of a chain drafter that maximises tokens per cost,
-    geometric(rate, a) / (1 + (width_cost + model_cost) a): each draft token costs one drafter
-    forward and one token of the target's width. 0 (plain decoding) once no length pays."""
+    geometric(rate, a) / (costs[a + 1] + model_cost a): a one-token drafter forward per draft
+    token, and a target forward a + 1 tokens wide (costs: width_costs). 0 (plain decoding) once
+    no length pays."""
     a = torch.arange(max_tokens + 1, device=rate.device)
-    value = geometric(rate[:, None], a.to(rate.dtype)) / (1 + (width_cost + model_cost) * a)
+    value = geometric(rate[:, None], a.to(rate.dtype)) / (costs[a + 1].to(rate.dtype) + model_cost * a)
     return a[value.argmax(1)]  # the first best (fewest drafts) on ties

@@ -142,6 +142,7 @@ class Working:
 
 class CascadeDecoder(Decoder):
     track_sources = False  # count the target's verdicts per top-level source (StepMetrics.source_*)
+    reads_proposal = False  # budgets weigh MaG's proposal at the committed end (computed even without direct rows)
 
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
                  direct_match: int = 0, direct_tokens: int = 16):
@@ -172,9 +173,10 @@ class CascadeDecoder(Decoder):
         direct or drafts nothing), then the widest draft it can fill (a direct row: MaG's
         proposal length; any other: the bound of its own budgets, below the plan's where
         Cascade.auto lowers a budget, so the target never reads the envelope's masked width)."""
-        direct, proposal = self._direct(state)
-        budgets, _ = self.budgets(state, direct)
-        width = torch.where(direct, proposal, draft_bound(self.levels, budgets, self.mag_tokens))
+        direct, ready = self._direct(state)
+        budgets, _ = self.budgets(state, direct, ready)
+        width = draft_bound(self.levels, budgets, self.mag_tokens)
+        width = width if ready is None else torch.where(direct, ready, width)
         neural = [budgets[s.index] for s in self.sources if s.below is not None]
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]
@@ -190,21 +192,24 @@ class CascadeDecoder(Decoder):
             return columns
         return (0,) * n + columns[n:]
 
-    def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B] bool: the row goes direct, [B] int64: the widest draft the row can fill)."""
-        if not self.direct_match:
-            return torch.zeros_like(state.active), torch.full_like(state.committed, self.max_draft)
+    def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B] bool: the row goes direct, [B] int64: the length of MaG's proposal (up to
+        direct_tokens) at the committed end, or None where nothing needs it: no direct rows
+        and no budgets that read it, `reads_proposal`)."""
+        if not self.direct_match and not self.reads_proposal:
+            return torch.zeros_like(state.active), None
         end = state.committed + 1
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         proposal = self.mag.propose(state.tokens, end, end, self.direct_tokens, state.max_committed + 1)
-        direct = proposal.match >= self.direct_match
-        return direct, torch.where(direct, proposal.length, self.max_draft)
+        direct = proposal.match >= self.direct_match if self.direct_match else torch.zeros_like(state.active)
+        return direct, proposal.length
 
-    def budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, list]:
+    def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None) -> tuple[list, list]:
         """Per source and row, the tokens K asks, and for MaG sources the most tokens one call
         adds (mag_tokens); a direct row asks nothing of its neural sources and one MaG call at
         the top, whose proposal (up to its cap, direct_tokens) is the whole draft: the same tokens
-        the plan measured, however wide the step."""
+        the plan measured, however wide the step. `ready` (_direct's proposal lengths) is for
+        budgets that weigh what MaG holds now (Cascade.auto); K's ignore it."""
         budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
         caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
                 for s in self.sources]
@@ -218,8 +223,8 @@ class CascadeDecoder(Decoder):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, state: DecodeState, plan) -> StepOutput:
-        direct, _ = self._direct(state)  # the same flags the plan read (same committed sequence)
-        budgets, caps = self.budgets(state, direct)
+        direct, ready = self._direct(state)  # what the plan read (the same committed sequence)
+        budgets, caps = self.budgets(state, direct, ready)
         work = self._working(state, plan, budgets, caps)
         length = self._draft(state, work, self.levels, work.base.clone(), state.active, grown=0)
         q = None if work.q is None else work.q[:, :work.width]
@@ -228,8 +233,8 @@ class CascadeDecoder(Decoder):
             out, trunk = self._verify_tree(state, work, draft)
         else:
             out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
-        if work.origin is not None:
-            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, state.active,
+        if work.origin is not None:  # direct rows' long matches are not what MaG's rate prices
+            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, state.active & ~direct,
                                          [s.index for s in self.levels.sources])
         roll_back_drafters(self.models.drafters, work.base + trunk)
         commit(state, out)

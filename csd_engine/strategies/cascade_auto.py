@@ -2,13 +2,13 @@
 
 The engine's drafters must be [model, MaG] or [MaG]. The plan is the envelope
 K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then up to M = mag_tokens
-MaG tokens, which MaG proposes only where it matches, at no forward's cost; the model reviews
-up to min(M, a - 1) MaG tokens at a time: more would only widen its forwards). Before each
-step a row picks the model budget a <= A and the top-level MaG budget g <= M that maximise
-its expected tokens per cost:
+MaG tokens, which MaG proposes only where it matches, at no forward's cost). Before each step a
+row picks the model budget a <= A, the MaG tokens c <= min(M, a - 1) the model reviews at a time
+(c = 0: the model drafts alone, one token per forward) and the top-level MaG budget g <= M that
+maximise its expected tokens per cost:
 
-    tokens(a, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
-    cost(a, g)   = 1 + width_cost (a + g) + c_model ceil(a / (1 + beta min(M, a - 1)))
+    tokens(a, c, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
+    cost(a, c, g)   = width(1 + a + g) + ceil(a / (1 + beta c)) (c_model + width(1 + c) - 1)
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
@@ -17,11 +17,18 @@ MaG tokens the model accepted in its reviews, all counted in this generate call 
 `prior` drafts: `prior_rate` for alpha (0.8, optimistic as in Speculative.auto: a row learns alpha
 only by drafting, so a pessimistic start stops it for good after a few misses), 0.5 for gamma and
 beta; c_model: the model's forward cost relative to the target's, from parameter counts unless
-`model_cost` gives it; width_cost: what one more token adds to a target forward, by default from
-the platform (platform_width_cost). a = g = 0 is plain
-decoding: chosen once neither source pays for the width it adds. Nothing here is timed: a
-seeded request gives the same tokens whatever shares its batch and however often it runs.
-Rows with a long MaG match go direct (Cascade.direct_match, direct_tokens).
+`model_cost` gives it; width(n): a target forward over n tokens relative to a one-token one,
+the platform's curve (budget.width_costs) unless `width_cost` gives a slope. A model review of
+1 + c tokens costs its one-token forward plus the target's width increment: a smaller model's
+forward grows with width by more than its parameter share (the Qwen 0.5B's 5-token forward cost
+0.38 of the 1.5B's one-token forward more than its own one-token forward, the 1.5B's 0.52; the
+kernel JSON of budget.KERNEL_WIDTH_COSTS). With a = 0, MaG's
+top-level tokens are the ones it proposes now (g <= its proposal's length, known before the
+step): where MaG holds nothing, the model competes with plain decoding, not with MaG's
+hypothetical tokens, so a model whose rate was once underestimated is tried again. a = g = 0
+is plain decoding. Nothing here is timed: a seeded request gives the same tokens whatever
+shares its batch and however often it runs. Rows with a long MaG match go direct
+(Cascade.direct_match, direct_tokens).
 """
 from dataclasses import dataclass
 
@@ -29,7 +36,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
-from csd_engine.strategies.budget import counted_rate, geometric, parameter_ratio, platform_width_cost
+from csd_engine.strategies.budget import counted_rate, geometric, parameter_ratio, width_costs
 from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
 
 
@@ -40,7 +47,7 @@ class AutoCascade:
     mag_tokens: int = 4
     direct_match: int = 8
     direct_tokens: int = 16
-    width_cost: float | None = None  # one more token's cost in a target forward, relative to a one-token one
+    width_cost: float | None = None  # one more token's cost in a forward, relative to a one-token one (default: the platform's curve)
     prior: float = 4.0  # drafts' worth of the prior acceptance rates
     prior_rate: float = 0.8  # the model's prior rate alpha (MaG's and the reviews' start at 0.5)
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
@@ -73,18 +80,19 @@ class AutoCascade:
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
             cost = parameter_ratio(models, 0)
-        width = platform_width_cost(models) if self.width_cost is None else self.width_cost
+        costs = width_costs(models, self.width_cost, 1 + a + m)
         return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
-                                  self, cost or 0.0, float(width))
+                                  self, cost or 0.0, costs)
 
 
 class AutoCascadeDecoder(CascadeDecoder):
     track_sources = True  # alpha is the target's rate on the model's tokens alone
+    reads_proposal = True  # with a = 0, g is at most what MaG proposes now
 
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
-                 model_cost: float, width_cost: float):
+                 model_cost: float, width_costs: torch.Tensor):
         super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
-        self.config, self.model_cost, self.width_cost = config, model_cost, width_cost
+        self.config, self.model_cost, self.width_costs = config, model_cost, width_costs
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
@@ -92,31 +100,33 @@ class AutoCascadeDecoder(CascadeDecoder):
         self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
         self.mag_grid = torch.arange(mag_tokens + 1, device=models.device)
 
-    def budgets(self, state: DecodeState, direct: torch.Tensor):
+    def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
         budgets, caps = super().budgets(state, direct)
-        counts, w = state.metrics, self.width_cost
-        gamma = self._rate(counts.source_accepted[self.mag_source.index], counts.source_checked[self.mag_source.index])
-        g = self.mag_grid.to(gamma.dtype)[None, None, :]  # [1, 1, M + 1]
-        a = self.grid.to(gamma.dtype)[None, :, None]  # [1, A + 1, 1]
+        counts, width, top_mag = state.metrics, self.width_costs, self.mag_source.index
+        gamma = self._rate(counts.source_accepted[top_mag], counts.source_checked[top_mag])[:, None, None, None]
+        a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
+        c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
+        g = self.mag_grid[None, None, None, :]  # [1, 1, 1, M + 1] MaG's top-level budget
+        if ready is not None:  # with no model tokens, MaG adds what it proposes now, no more
+            g = torch.where(a == 0, torch.minimum(g, ready[:, None, None, None]), g)
+        af = a.to(gamma.dtype)
         if self.neural_source is None:
-            alpha = reviews = torch.zeros_like(gamma)[:, None, None]
+            alpha = reviews = torch.zeros_like(gamma)
         else:
             alpha = self._rate(counts.source_accepted[self.neural_source.index],
-                               counts.source_checked[self.neural_source.index], self.config.prior_rate)[:, None, None]
-            beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None]
-            reviews = torch.ceil(a / (1 + beta * (a - 1).clamp(0, self.mag_tokens)))
-        gamma = gamma[:, None, None]
-        tokens = geometric(alpha, a) + alpha ** a * (geometric(gamma, g) - 1)  # [B, A + 1, M + 1]
-        cost = 1 + w * (a + g) + self.model_cost * reviews
-        best = (tokens / cost).flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
-        pick_a, pick_g = best // self.mag_grid.numel(), best % self.mag_grid.numel()
+                               counts.source_checked[self.neural_source.index],
+                               self.config.prior_rate)[:, None, None, None]
+            beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
+            reviews = torch.ceil(af / (1 + beta * c))
+        tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
+        cost = width[1 + a + g] + reviews * (self.model_cost + width[1 + c] - 1)
+        value = (tokens / cost).masked_fill(c > (a - 1).clamp(min=0), float("-inf"))  # [B, A + 1, M + 1, M + 1]
+        n = self.mag_grid.numel()
+        best = value.flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
+        pick_a, pick_c, pick_g = best // (n * n), best // n % n, best % n
         if self.neural_source is not None:
-            model = self.grid[pick_a]
-            budgets[self.neural_source.index] = torch.where(direct, 0, model)
-            # the model needs a - 1 MaG tokens besides its own: more would widen its forwards for
-            # tokens past its budget
-            caps[self.sub_mag_source.index] = (model - 1).clamp(0, self.mag_tokens)
-        top_mag = self.mag_source.index
+            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[pick_a])
+            caps[self.sub_mag_source.index] = self.mag_grid[pick_c]
         budgets[top_mag] = torch.where(direct, budgets[top_mag], self.mag_grid[pick_g])
         caps[top_mag] = torch.where(direct, caps[top_mag], self.mag_grid[pick_g])
         return budgets, caps

@@ -2,7 +2,9 @@
 length each step, deterministically (csd_engine.strategies.budget).
 
 Before each step a row picks the length a <= max_tokens that maximises its expected tokens per
-cost: tokens(a) = 1 + alpha + ... + alpha^a, cost(a) = 1 + (width_cost + model_cost) a, where
+cost: tokens(a) = 1 + alpha + ... + alpha^a, cost(a) = width(a + 1) + model_cost a (a target forward
+a + 1 tokens wide, costed by the platform's width curve, budget.width_costs; a drafter forward a
+token), where
 alpha is the row's counted per-token rate at which the target accepted its drafts (accepted over
 checked; a token after a rejection is not checked), starting from `prior_rate` worth `prior`
 tokens: optimistic, because a row learns its rate only by drafting (at 0.5 a drafter costing
@@ -18,7 +20,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
                                         roll_back_drafters, verify_chain)
-from csd_engine.strategies.budget import chain_budget, counted_rate, parameter_ratio, platform_width_cost
+from csd_engine.strategies.budget import chain_budget, counted_rate, parameter_ratio, width_costs
 from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
 
 
@@ -30,7 +32,7 @@ class AutoSpeculative:
     prior: float = 4.0  # drafts' worth of the prior acceptance rate
     prior_rate: float = 0.8
     model_cost: float | None = None  # the drafter's forward cost relative to the target's (default: parameter ratio)
-    width_cost: float | None = None  # one more token's cost in a target forward (default: platform_width_cost)
+    width_cost: float | None = None  # one more token's cost in a target forward (default: the platform's curve)
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 64:
@@ -53,23 +55,23 @@ class AutoSpeculative:
             raise ValueError("Speculative.auto() tunes a neural drafter's draft length; MaG's drafts are already "
                              "only what it matched: use Speculative(k=...) with MaG")
         cost = parameter_ratio(models, self.drafter) if self.model_cost is None else self.model_cost
-        width = platform_width_cost(models) if self.width_cost is None else self.width_cost
-        return AutoSpeculativeDecoder(models, self, float(cost), float(width))
+        costs = width_costs(models, self.width_cost, self.max_tokens + 1)
+        return AutoSpeculativeDecoder(models, self, float(cost), costs)
 
 
 class AutoSpeculativeDecoder(SpeculativeDecoder):
     sources = ("drafter",)  # one top-level source: StepMetrics.source_* count the target's verdicts on its tokens
 
-    def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_cost: float):
+    def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_costs: torch.Tensor):
         super().__init__(models, config.max_tokens, config.drafter, config.min_confidence)
-        self.config, self.model_cost, self.width_cost = config, model_cost, width_cost
+        self.config, self.model_cost, self.width_costs = config, model_cost, width_costs
 
     def budget(self, state: DecodeState) -> torch.Tensor:
         """[B] each active row's draft length for the next step (0 for the others). The plan and
         the step each compute it from the same counts: a graphed step sees only the plan's maxima."""
         counts, config = state.metrics, self.config
         rate = counted_rate(counts.source_accepted[0], counts.source_checked[0], config.prior, config.prior_rate)
-        return chain_budget(rate, self.k, self.model_cost, self.width_cost) * state.active
+        return chain_budget(rate, self.k, self.model_cost, self.width_costs) * state.active
 
     def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, 2]: how far the drafter's cache trails the committed prefix, the row's draft length."""

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from csd_engine import Autoregressive, Cascade, Engine, SamplingParams
+from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative
 from csd_engine.strategies.cascade import _validate_k_matrix
 from tests.strategies.common import (assert_greedy_equals_autoregressive, assert_samples_follow_target,
                                      check_proposals)
@@ -155,15 +155,16 @@ def test_auto_verifies_no_wider_than_the_rows_budgets(models):
 
 def test_auto_model_reviews_no_more_mag_tokens_than_its_budget_needs(models):
     """A model asked for a tokens gets its first from its own forward and needs at most a - 1
-    of MaG's: at max_tokens=1 it reviews none, while with a larger budget it reviews MaG's
-    matches on the same repetitive prompts."""
+    of MaG's: at max_tokens=1 it reviews none, while with a larger budget (and a model forward
+    costly enough that fewer, wider reviews pay) it reviews MaG's matches on the same repetitive
+    prompts."""
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=96, verify_backend="torch")
     prompts = [p[:3] * 5 for p in random_prompts(2, lo=3, hi=6, seed=11)]
     reviewed = {}
     for a in (1, 6):
         out = assert_greedy_equals_autoregressive(
-            engine, prompts, Cascade.auto(max_tokens=a, mag_tokens=4, model_cost=0.01, prior_rate=0.99,
+            engine, prompts, Cascade.auto(max_tokens=a, mag_tokens=4, model_cost=0.5, prior_rate=0.99,
                                           direct_match=0), max_new_tokens=24)
         reviewed[a] = [1 in r.metrics.acceptance_by_level for r in out]
         assert all(sum(r.metrics.drafter_forwards) > 0 for r in out), a  # the model drafted
@@ -221,7 +222,8 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     state.metrics.source_checked[model] = torch.tensor([1000, 1000])
     budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
-    assert caps[decoder.sub_mag_source.index].tolist() == [4, 0]  # the model reviews min(M, a - 1) MaG tokens
+    # the model's 6 tokens in the fewest reviews: 2, of 1 + 3 MaG tokens each where it takes (nearly) every one
+    assert caps[decoder.sub_mag_source.index].tolist() == [3, 0]
     budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
     assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
     # MaG's top-level tokens: proposed in full where the target takes them, not at all where it never does
@@ -239,19 +241,57 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
         assert (budgets[mag][1] > 0) == paid and caps[mag][1] == budgets[mag][1], (width, budgets[mag])
 
 
+def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
+    """The MaG tokens c the model reviews per forward follow its own share of them: where it
+    takes (nearly: the prior) every one, the fewest reviews for its budget (6 tokens: 2 reviews of 1 + 3); where it
+    takes none, c = 0 (the model drafts alone, one-token forwards, instead of widening each)."""
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
+    decoder = Cascade.auto(max_tokens=6, model_cost=0.3, width_cost=0.1).decoder(engine._decoder_models())
+    state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
+                            pending=torch.zeros(2, dtype=torch.int64))
+    model = decoder.neural_source.index
+    state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000, 1000])
+    state.metrics.level_accepted[1] = torch.tensor([1000, 0])
+    state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
+    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
+    assert budgets[model].tolist() == [6, 6] and caps[decoder.sub_mag_source.index].tolist() == [3, 0]
+
+
+def test_auto_weighs_mag_by_what_it_proposes_now(models):
+    """With no model tokens, MaG's top-level tokens are the ones it proposes at the committed end
+    (`ready`): a row whose model rate fell to 0.64 after one rejected token sits the model out
+    while MaG holds a match (MaG's 0.5-rate tokens pay more), and drafts with it again where MaG
+    holds nothing, instead of decoding plainly for good; g never exceeds MaG's proposal."""
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
+    decoder = Cascade.auto(model_cost=0.35, width_cost=0.15).decoder(engine._decoder_models())
+    state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
+                            pending=torch.zeros(2, dtype=torch.int64))
+    model, mag = decoder.neural_source.index, decoder.mag_source.index
+    state.metrics.source_checked[model] = torch.tensor([1, 1])  # one model token checked, rejected
+    budgets, caps = decoder.budgets(state, torch.tensor([False, False]), ready=torch.tensor([4, 0]))
+    assert budgets[model].tolist() == [0, 1], budgets
+    assert budgets[mag][0] == caps[mag][0] == 2
+    budgets, caps = decoder.budgets(state, torch.tensor([False, False]), ready=torch.tensor([1, 0]))
+    assert budgets[model][0] == 0 and budgets[mag][0] == caps[mag][0] == 1  # no more than MaG holds
+
+
 def test_auto_starts_from_an_optimistic_model_rate(models):
     """A row learns the model's rate only by drafting: a fresh row starts at prior_rate (0.8) and
-    drafts more than at 0.5, at the CPU costs where 0.5 stopped chat rows too soon; a rate outside
-    [0, 1) is refused."""
+    drafts more model tokens than at 0.5 (a model costing 0.2 of the target, 0.15 a token of
+    width); a rate outside [0, 1) is refused."""
     from csd_engine.strategies.base import StepMetrics
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
     picked = {}
     for rate in (0.8, 0.5):
-        decoder = Cascade.auto(model_cost=0.35, width_cost=0.15, prior_rate=rate).decoder(engine._decoder_models())
+        decoder = Cascade.auto(model_cost=0.2, width_cost=0.15, prior_rate=rate).decoder(engine._decoder_models())
         state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
                                 pending=torch.zeros(1, dtype=torch.int64))
-        budgets, _ = decoder.budgets(state, torch.tensor([False]))
+        budgets, _ = decoder.budgets(state, torch.tensor([False]), ready=torch.tensor([0]))  # MaG holds nothing
         picked[rate] = int(budgets[decoder.neural_source.index][0])
     assert picked[0.8] > picked[0.5], picked
     for bad in (1.0, -0.1, True):
@@ -261,10 +301,10 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
 
 @pytest.mark.parametrize("forced", ["1", "0"])
 def test_auto_prices_width_by_platform(forced, models, monkeypatch):
-    """Cascade.auto()'s default width cost: 0.15 per token where a bf16 target runs on csd_engine's
-    CPU kernel (no native bf16: wide forwards cost), 0.02 elsewhere; a negative one is refused."""
+    """The auto strategies' default width costs: where a bf16 target runs on csd_engine's CPU
+    kernel, the measured AVX2 curve (1.05x at 2 tokens, 1.52x at 5, 2.6x at 9, interpolated
+    between), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope; a negative one is refused."""
     from csd_engine import ops
-    from csd_engine.strategies.budget import platform_width_cost
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     ops.bf16_kernel_pays.cache_clear()
@@ -272,8 +312,14 @@ def test_auto_prices_width_by_platform(forced, models, monkeypatch):
         for dtype in (torch.float32, torch.bfloat16):
             engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=dtype)
             kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
-            assert platform_width_cost(engine._decoder_models()) == (0.15 if kernel else 0.02)
-            assert Cascade.auto().decoder(engine._decoder_models()).width_cost == (0.15 if kernel else 0.02)
+            costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
+            expected = [1, 1, 1.05, 1.2067, 1.3633, 1.52, 1.79, 2.06, 2.33, 2.6] if kernel else \
+                [1, 1, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
+            assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
+            chain = Speculative.auto(max_tokens=8).decoder(engine._decoder_models()).width_costs
+            assert chain.tolist() == pytest.approx(expected, abs=1e-4)
+            linear = Cascade.auto(width_cost=0.1).decoder(engine._decoder_models()).width_costs
+            assert linear[5] == pytest.approx(1.4)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
