@@ -21,14 +21,15 @@ beta; c_model: the model's forward cost relative to the target's, from parameter
 the platform's curve (budget.width_costs) unless `width_cost` gives a slope. A model review of
 1 + c tokens costs its one-token forward plus the target's width increment: a smaller model's
 forward grows with width by more than its parameter share (the Qwen 0.5B's 5-token forward cost
-0.38 of the 1.5B's one-token forward more than its own one-token forward, the 1.5B's 0.52; the
-kernel JSON of budget.KERNEL_WIDTH_COSTS). With a = 0, MaG's
-top-level tokens are the ones it proposes now (g <= its proposal's length, known before the
-step): where MaG holds nothing, the model competes with plain decoding, not with MaG's
-hypothetical tokens, so a model whose rate was once underestimated is tried again. a = g = 0
-is plain decoding. Nothing here is timed: a seeded request gives the same tokens whatever
-shares its batch and however often it runs. Rows with a long MaG match go direct
-(Cascade.direct_match, direct_tokens).
+0.38 of the 1.5B's one-token forward more than its own one-token one, the 1.5B's 0.52: the
+forward-cost JSON budget.KERNEL_WIDTH_COSTS cites).
+
+With a = 0, MaG's top-level tokens are the ones it proposes now (g <= its proposal's length,
+known before the step): where MaG holds nothing, the model competes with plain decoding, not
+with MaG's hypothetical tokens, so a model whose rate was once underestimated is tried again.
+a = g = 0 is plain decoding. Nothing here is timed: a seeded request gives the same tokens
+whatever shares its batch and however often it runs. Rows with a long MaG match go direct
+(Cascade.direct_match, direct_tokens); their tokens do not count toward gamma.
 """
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ class AutoCascade:
     mag_tokens: int = 4
     direct_match: int = 8
     direct_tokens: int = 16
-    width_cost: float | None = None  # one more token's cost in a forward, relative to a one-token one (default: the platform's curve)
+    width_cost: float | None = None  # a slope: one more token's cost in a forward (default: the platform's curve)
     prior: float = 4.0  # drafts' worth of the prior acceptance rates
     prior_rate: float = 0.8  # the model's prior rate alpha (MaG's and the reviews' start at 0.5)
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)

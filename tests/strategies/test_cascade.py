@@ -129,6 +129,34 @@ def test_auto_is_lossless(models):
                                  target, [4, 9, 4, 9], Cascade.auto(), temperature=1.0, draws=1500)
 
 
+def test_auto_counts_no_direct_row_toward_mag_rate(models, monkeypatch):
+    """gamma prices MaG's top-level tokens in steps that are not direct: a direct row's long
+    verbatim match is left out of the per-source counts (record_sources sees it inactive)."""
+    from csd_engine.strategies.base import StepMetrics
+    from csd_engine.strategies.cascade import CascadeDecoder
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=96, verify_backend="torch")
+    seen = []
+    direct_of = CascadeDecoder._direct
+    record = StepMetrics.record_sources
+
+    def spy_direct(self, state):
+        out = direct_of(self, state)
+        seen.append([out[0].clone()])
+        return out
+
+    def spy_record(self, origin, length, accepted, active, sources):
+        seen[-1].append(active.clone())
+        return record(self, origin, length, accepted, active, sources)
+    monkeypatch.setattr(CascadeDecoder, "_direct", spy_direct)
+    monkeypatch.setattr(StepMetrics, "record_sources", spy_record)
+    prompts = [[5, 6, 7, 8] * 6, [9, 3] * 5]
+    assert_greedy_equals_autoregressive(engine, prompts, Cascade.auto(direct_match=2), max_new_tokens=16)
+    steps = [s for s in seen if len(s) == 2]  # the step's call (the plan's reads the same flags)
+    assert any(direct.any() for direct, _ in steps)
+    assert all(not (direct & active).any() for direct, active in steps)
+
+
 def test_auto_verifies_no_wider_than_the_rows_budgets(models):
     """A row that drafts nothing with its model sends the target MaG's tokens only: the target
     reads pending + 4 tokens, not the envelope's 1 + 13 (K = [[6, 4], [0, 4]]) run masked."""
