@@ -331,7 +331,7 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
 def test_auto_prices_width_by_platform(forced, models, monkeypatch):
     """The auto strategies' default width costs: where a bf16 target runs on csd_engine's CPU
     kernel, the measured AVX2 curve (1.05x at 2 tokens, 1.52x at 5, 2.6x at 9, interpolated
-    between), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope; a negative one is refused."""
+    between, extended past 17 tokens), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope; a negative one is refused."""
     from csd_engine import ops
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
@@ -348,6 +348,9 @@ def test_auto_prices_width_by_platform(forced, models, monkeypatch):
             assert chain.tolist() == pytest.approx(expected, abs=1e-4)
             linear = Cascade.auto(width_cost=0.1).decoder(engine._decoder_models()).width_costs
             assert linear[5] == pytest.approx(1.4)
+            # past the curve's last point (17 tokens, 3.8x) at its last slope, 0.15 a token
+            wide = Cascade.auto(max_tokens=20).decoder(engine._decoder_models()).width_costs
+            assert wide[25] == pytest.approx(5.0 if kernel else 1.48)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
