@@ -12,8 +12,10 @@ first model's one-token forward in the same dtype. The greedy-agreement table of
 came from this script's version in commit 3b771e0 (`--agreement`).
 
 For each (model, dtype, n) every path of PATHS (csd_engine's native runner; transformers'
-forward with its dynamic cache, for comparison) times a forward of n tokens after a
-`--context`-token prefix: median and min-max of `--repeats` calls after one warm-up. A new
+forward with its dynamic cache, for comparison; `--paths` picks some) times a forward of n tokens
+after a `--context`-token prefix: median and min-max of `--repeats` calls after one warm-up. The
+calls are interleaved (each repeat sweeps every n and path once), so a machine's drift falls on
+every width alike instead of bending the curve. A new
 path (a quantized or early-exit drafter, say) is one more entry in PATHS; "native,
 batch-invariant" is the runner of Engine(batch_invariant=True), to price that mode. Prints a table and
 writes bench/results/forward-cost-*.json.
@@ -72,12 +74,38 @@ PATHS = {
 }
 
 
+def timed_rows(key: dict, forwards: dict, vocab: int, ns: list[int], repeats: int) -> list[dict]:
+    """One row per n: every forward of `forwards` (path key -> forward(ids)) after one warm-up call
+    per (n, path), then `repeats` rounds that each time every n and path once, in that order."""
+    ids = {n: torch.randint(0, vocab, (1, n)) for n in ns}
+    seconds = {(n, path): [] for n in ns for path in forwards}
+    for n in ns:
+        for forward in forwards.values():
+            forward(ids[n])
+    for _ in range(max(repeats, 1)):
+        for n in ns:
+            for path, forward in forwards.items():
+                _, timing = harness.repeat(lambda: forward(ids[n]), 1, warmup=0)
+                seconds[n, path] += timing.seconds
+    rows = []
+    for n in ns:
+        row = dict(key, n=n)
+        for path in forwards:
+            timing = harness.Timing(seconds[n, path])
+            first = harness.Timing(seconds[ns[0], path])
+            row.update({f"{path}_ms": timing.median * 1e3, f"{path}_min_ms": timing.min * 1e3,
+                        f"{path}_max_ms": timing.max * 1e3, f"{path}_vs_1": timing.median / first.median})
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b", help="zoo names or folders")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ns", default="1,2,3,5,9,17", help="new tokens per forward")
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated keys of {', '.join(PATHS)} (default all)")
     ap.add_argument("--drafters", default="", help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20]")
     ap.add_argument("--packed-only", action="store_true",
                     help="quantized drafters without the engine's dense copies for wide calls (the packed op at every "
@@ -87,27 +115,22 @@ def main(argv=None):
     if args.dry_run:
         args.models, args.ns, args.context, args.repeats = "tiny", "1,3", 16, 1
     ns = [int(n) for n in args.ns.split(",")]
+    keys = args.paths.split(",")
+    if "native" not in keys or set(keys) - set(PATHS):
+        ap.error(f"--paths must name native (the x-target column's) and only keys of {', '.join(PATHS)}; "
+                 f"got {args.paths!r}")
+    paths = {key: PATHS[key] for key in keys}
     rows = []
     for name in args.models.split(","):
         for dtype_name in args.dtypes.split(","):
             dtype = harness.DTYPES[dtype_name]
             harness.progress(f"loading {name} ({dtype_name})")
             model = harness.load_model(name, dtype, args.dry_run)
-            vocab = model.config.vocab_size
-            prefix = torch.randint(0, vocab, (1, args.context))
-            forwards = {key: build(model, dtype, prefix, max(ns)) for key, (_, build) in PATHS.items()}
-            first = {}
-            for n in ns:
-                ids = torch.randint(0, vocab, (1, n))
-                row = dict(model=name, dtype=dtype_name, n=n)
-                for key, forward in forwards.items():
-                    _, timing = harness.repeat(lambda: forward(ids), args.repeats)
-                    first.setdefault(key, timing.median)
-                    row.update({f"{key}_ms": timing.median * 1e3, f"{key}_min_ms": timing.min * 1e3,
-                                f"{key}_max_ms": timing.max * 1e3, f"{key}_vs_1": timing.median / first[key]})
-                rows.append(row)
-                harness.progress(f"{name} {dtype_name} n={n}: " + ", ".join(
-                    f"{label} {row[f'{key}_ms']:.0f} ms" for key, (label, _) in PATHS.items()))
+            prefix = torch.randint(0, model.config.vocab_size, (1, args.context))
+            forwards = {key: build(model, dtype, prefix, max(ns)) for key, (_, build) in paths.items()}
+            rows += timed_rows(dict(model=name, dtype=dtype_name), forwards, model.config.vocab_size, ns, args.repeats)
+            harness.progress(f"{name} {dtype_name}, native: " + ", ".join(
+                f"n={row['n']} {row['native_ms']:.0f} ms" for row in rows[-len(ns):]))
             del model, forwards
     for spec in filter(None, args.drafters.split(",")):
         for dtype_name in args.dtypes.split(","):
@@ -118,36 +141,30 @@ def main(argv=None):
             prefix = torch.randint(0, runner.vocab_size, (1, args.context))
             runner.allocate(1, args.context + max(ns) + 8)
             runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))
-            first = None
-            for n in ns:
-                ids = torch.randint(0, runner.vocab_size, (1, n))
 
-                def forward():
-                    runner.cache.lengths.fill_(args.context)
-                    return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + n))
+            def forward(ids, runner=runner):
+                runner.cache.lengths.fill_(args.context)
+                return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + ids.shape[1]))
 
-                _, timing = harness.repeat(forward, args.repeats)
-                first = first or timing.median
-                rows.append(dict(model=spec, dtype=dtype_name, n=n, native_ms=timing.median * 1e3,
-                                 native_min_ms=timing.min * 1e3, native_max_ms=timing.max * 1e3,
-                                 native_vs_1=timing.median / first))
-            del runner
+            rows += timed_rows(dict(model=spec, dtype=dtype_name), {"native": forward}, runner.vocab_size, ns,
+                               args.repeats)
+            del runner, forward
     for row in rows:
         target = next(r for r in rows if r["dtype"] == row["dtype"])  # the first model's 1-token forward
         row["x_target"] = row["native_ms"] / target["native_ms"]
     for row in rows:
-        for key in PATHS:
+        for key in paths:
             if f"{key}_ms" in row:
                 row[f"{key}_spread"] = f"{row[f'{key}_min_ms']:.0f}-{row[f'{key}_max_ms']:.0f}"
     print(f"\nforward of n new tokens after a {args.context}-token prefix, batch 1 (median of {args.repeats})")
     columns = [("model", "model", "s"), ("dtype", "dtype", "s"), ("n", "n", "d")]
-    for key, (label, _) in PATHS.items():
+    for key, (label, _) in paths.items():
         columns += [(f"{key}_ms", f"{label} ms", ".0f"), (f"{key}_spread", "min-max", "s"),
                     (f"{key}_vs_1", "x n=1", ".2f")]
     columns.append(("x_target", "native x target", ".2f"))
     print_table(rows, columns)
     path = harness.record_path("forward-cost", args)
-    harness.write_record(path, {"paths": {key: label for key, (label, _) in PATHS.items()}, "rows": rows}, args)
+    harness.write_record(path, {"paths": {key: label for key, (label, _) in paths.items()}, "rows": rows}, args)
     harness.finish(path, args)
 
 
