@@ -24,11 +24,12 @@ def geometric(rate: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 # A forward's cost by width (tokens fed) relative to a one-token forward where a bf16 target runs
-# on csd_engine's CPU kernel (no native bf16): the Qwen 1.5B's forwards of 1, 2, 5, 9 and 17
-# tokens on a 2-core AVX2 EPYC (bench/measured/forward-cost-qwen-bf16-avx2-kernel-cpu-2026-11-25.json):
-# nearly flat while streaming the weights dominates, then ~0.27 a token once the matmuls are
-# compute-bound (5 -> 9), 0.15 past that.
-KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.05), (5, 1.52), (9, 2.60), (17, 3.80))
+# on csd_engine's CPU kernel (no native bf16): the Qwen 1.5B's forwards on a 2-core AVX2 EPYC,
+# the mean of two interleaved runs (bench/measured/forward-cost-qwen-bf16-int8-interleaved-avx2-cpu-2026-11-26*.json;
+# 2 tokens measured 0.98x, kept at 1). Flat while streaming the weights dominates (to 4 tokens),
+# then compute-bound; the step at 7 is where the kernel splits x's rows into two tiles (6 + 1 -> 4 + 3).
+KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.0), (3, 1.07), (4, 1.13), (5, 1.36), (6, 1.48), (7, 1.85), (8, 1.95),
+                      (9, 2.19), (11, 2.66), (13, 2.95), (17, 3.87))
 
 
 def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tensor:

@@ -287,6 +287,25 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     assert budgets[model].tolist() == [6, 6] and caps[decoder.sub_mag_source.index].tolist() == [3, 0]
 
 
+def test_auto_prices_a_review_as_the_models_forward_at_its_width(models):
+    """A review of 1 + c tokens costs model_cost * width(1 + c): a cheap model (0.05) on a steep
+    curve (0.3 a token) reviews 3 MaG tokens at a time where it takes (nearly: the prior) every one,
+    its 6 tokens in 2 reviews of 0.095 against 6 one-token reviews of 0.05 (c = 2 would need 3
+    reviews of 0.08 at that share). Priced as its one-token forward plus the target's width
+    increment (0.05 + 0.3 c), it would draft alone (c = 0)."""
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
+    decoder = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=0.3).decoder(engine._decoder_models())
+    state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
+                            pending=torch.zeros(1, dtype=torch.int64))
+    model = decoder.neural_source.index
+    state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000])
+    state.metrics.level_accepted[1] = state.metrics.level_drafted[1] = torch.tensor([1000])
+    budgets, caps = decoder.budgets(state, torch.tensor([False]))
+    assert budgets[model].tolist() == [6] and caps[decoder.sub_mag_source.index].tolist() == [3]
+
+
 def test_auto_weighs_mag_by_what_it_proposes_now(models):
     """With no model tokens, MaG's top-level tokens are the ones it proposes at the committed end
     (`ready`): a row whose model rate fell to 0.64 after one rejected token sits the model out
@@ -330,8 +349,9 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
 @pytest.mark.parametrize("forced", ["1", "0"])
 def test_auto_prices_width_by_platform(forced, models, monkeypatch):
     """The auto strategies' default width costs: where a bf16 target runs on csd_engine's CPU
-    kernel, the measured AVX2 curve (1.05x at 2 tokens, 1.52x at 5, 2.6x at 9, interpolated
-    between, extended past 17 tokens), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope; a negative one is refused."""
+    kernel, the measured AVX2 curve (1x at 2 tokens, 1.36x at 5, 2.19x at 9, interpolated between
+    its points, extended past 17 tokens), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope;
+    a negative one is refused."""
     from csd_engine import ops
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
@@ -341,16 +361,18 @@ def test_auto_prices_width_by_platform(forced, models, monkeypatch):
             engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=dtype)
             kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
             costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
-            expected = [1, 1, 1.05, 1.2067, 1.3633, 1.52, 1.79, 2.06, 2.33, 2.6] if kernel else \
+            expected = [1, 1, 1, 1.07, 1.13, 1.36, 1.48, 1.85, 1.95, 2.19] if kernel else \
                 [1, 1, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
             assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
             chain = Speculative.auto(max_tokens=8).decoder(engine._decoder_models()).width_costs
             assert chain.tolist() == pytest.approx(expected, abs=1e-4)
             linear = Cascade.auto(width_cost=0.1).decoder(engine._decoder_models()).width_costs
             assert linear[5] == pytest.approx(1.4)
-            # past the curve's last point (17 tokens, 3.8x) at its last slope, 0.15 a token
+            # between points (10 tokens: halfway from 2.19x at 9 to 2.66x at 11), and past the
+            # last (17 tokens, 3.87x) at its last slope, 0.23 a token
             wide = Cascade.auto(max_tokens=20).decoder(engine._decoder_models()).width_costs
-            assert wide[25] == pytest.approx(5.0 if kernel else 1.48)
+            assert wide[10] == pytest.approx(2.425 if kernel else 1.18)
+            assert wide[25] == pytest.approx(5.71 if kernel else 1.48)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
