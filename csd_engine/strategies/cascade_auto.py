@@ -8,7 +8,7 @@ row picks the model budget a <= A, the MaG tokens c <= min(M, a - 1) the model r
 maximise its expected tokens per cost:
 
     tokens(a, c, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
-    cost(a, c, g)   = width(1 + a + g) + ceil(a / (1 + beta c)) c_model width(1 + c)
+    cost(a, c, g)   = width(1 + a + g) + ceil(a / (1 + beta c)) (c_model + width(1 + c) - 1)
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
@@ -19,10 +19,11 @@ only by drafting, so a pessimistic start stops it for good after a few misses), 
 beta; c_model: the model's forward cost relative to the target's, from parameter counts unless
 `model_cost` gives it; width(n): a target forward over n tokens relative to a one-token one,
 the platform's curve (budget.width_costs) unless `width_cost` gives a slope. A model review of
-1 + c tokens costs the model's one-token forward times the target's curve at that width (on the
-AVX2 kernel the Qwen 0.5B's forwards of 5 and 9 tokens cost 0.48 and 0.75 of the 1.5B's one-token
-forward, int8 0.50 and 0.77; this prices them at 0.44 and 0.70: the JSONs budget.KERNEL_WIDTH_COSTS
-cites).
+1 + c tokens costs its one-token forward plus the target's width increment: more than the model's
+own forward (on the AVX2 kernel the Qwen 0.5B's 5-token forward costs 0.48 of the 1.5B's one-token
+forward, priced 0.68), which chose better on the bench prompts than pricing it as measured: the MaG
+tokens the model accepts, leniently, are worth less to the target than its own, and one alpha
+does not see that.
 
 With a = 0, MaG's top-level tokens are the ones it proposes now (g <= its proposal's length,
 known before the step): where MaG holds nothing, the model competes with plain decoding, not
@@ -120,7 +121,7 @@ class AutoCascadeDecoder(CascadeDecoder):
             beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
             reviews = torch.ceil(af / (1 + beta * c))
         tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
-        cost = width[1 + a + g] + reviews * self.model_cost * width[1 + c]
+        cost = width[1 + a + g] + reviews * (self.model_cost + width[1 + c] - 1)
         value = (tokens / cost).masked_fill(c > (a - 1).clamp(min=0), float("-inf"))  # [B, A + 1, M + 1, M + 1]
         n = self.mag_grid.numel()
         best = value.flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
