@@ -214,10 +214,14 @@ class Models:
         return LlamaRunner(self.target, self.device, DTYPE, fused=self.fused)
 
     @cached_property
-    def drafter_runner(self) -> LlamaRunner:
+    def drafter(self) -> LlamaForCausalLM:
         drafter = random_llama(self.sizes.model, self.sizes.drafter_layers, self.device)
         drafter.load_state_dict(self.target.state_dict(), strict=False)  # the target's first layers, head, norms
-        return LlamaRunner(drafter, self.device, DTYPE, fused=self.fused)
+        return drafter
+
+    @cached_property
+    def drafter_runner(self) -> LlamaRunner:
+        return LlamaRunner(self.drafter, self.device, DTYPE, fused=self.fused)
 
     @property
     def weight_bytes(self) -> int:
@@ -349,7 +353,8 @@ def step_graph_rows(models: Models, strategies, prompt, params) -> list[dict]:
     for name, strategy, with_mag in strategies:
         target, drafter = models.target_runner, models.drafter_runner
         row = dict(strategy=name, variant="one graph per step")
-        try:
+        try:  # the reference runs the attention kernel the graphs run (SDPA rounds differently)
+            target.attention_backend = drafter.attention_backend = "triton"
             eager = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
             reference = eager.generate([prompt], params, strategy=strategy)[0].token_ids
             engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, cuda_graphs="step")
@@ -436,6 +441,43 @@ def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
                              of_floor=floor_ms / replay_ms))
             progress(f"forward {rows[-1]['path']} n={n}: graph {replay_ms:.2f} ms, kernels {busy:.2f} ms")
     runner.fused = models.fused
+    return rows
+
+
+def bench_quantized_drafter(models: Models) -> list[dict]:
+    """The drafter's forward with weight-only quantized projections and head (models/quant.py:
+    torch's int8 / int4 packed-weight ops on CUDA) against bf16: graph-replayed ms for 1 and 5
+    new tokens at batch 1 and 8, 512-token context, and the greedy agreement of its logits."""
+    sizes, device = models.sizes, models.device
+    context = min(512, sizes.max_seq_len // 2)
+    rows, reference = [], {}
+    for scheme in ("bf16", "int8", "int4"):
+        try:
+            runner = LlamaRunner(models.drafter, device, DTYPE, fused=models.fused,
+                                 quantize=None if scheme == "bf16" else scheme)
+        except Exception as error:  # noqa: BLE001 - an op missing on this device is a result
+            rows.append(dict(scheme=scheme, error=f"{type(error).__name__}: {error}"[:300]))
+            progress(f"drafter {scheme}: FAILED {rows[-1]['error']}")
+            continue
+        graphed = GraphedRunner(runner)
+        graphed.allocate(8, sizes.max_seq_len + 256)
+        for batch in (1, 8):
+            graphed.use_rows(batch)
+            for n in (1, 5):
+                torch.manual_seed(batch * 10 + n)
+                ids = torch.randint(0, sizes.model["vocab_size"], (batch, n), device=device)
+
+                def forward(r=graphed, ids=ids, n=n):
+                    r.cache.lengths.fill_(context)
+                    return r(ForwardBatch.chain(ids, r.cache.lengths, context + n))
+
+                logits = forward().float()  # capture
+                ms = time_ms(forward, device)
+                base = reference.setdefault((batch, n), (ms, logits.argmax(-1)))
+                rows.append(dict(scheme=scheme, batch=batch, n=n, context=context, graph_ms=ms,
+                                 x_bf16=ms / base[0], argmax_agrees=float((logits.argmax(-1) == base[1]).float().mean())))
+                progress(f"drafter {scheme} batch {batch} n={n}: {ms:.3f} ms")
+        del graphed, runner
     return rows
 
 
@@ -549,8 +591,8 @@ def print_section(title: str, result, columns) -> None:
     print_table(rows, columns)
 
 
-SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "batch_invariance", "pearl",
-            "transformers_compiled")
+SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "quantized_drafter",
+            "batch_invariance", "pearl", "transformers_compiled")
 
 
 def main(argv=None):
@@ -618,6 +660,13 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("matmul_ms", "matmul", ".2f"), ("attention_ms", "attention", ".2f"),
                        ("norm_rope_ms", "norm+rope kernels", ".2f"), ("other_ms", "other", ".2f"),
                        ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
+
+    if "quantized_drafter" in wanted:
+        quantized = report.run("quantized_drafter", lambda: bench_quantized_drafter(models))
+        print_section(f"the drafter ({sizes.drafter_layers} {shape} layers + head) with weight-only quantized "
+                      "projections and head vs bf16: one forward replayed from a CUDA graph", quantized,
+                      [("scheme", "scheme", "s"), ("batch", "B", "d"), ("n", "n", "d"), ("graph_ms", "graph ms", ".3f"),
+                       ("x_bf16", "x bf16", ".2f"), ("argmax_agrees", "argmax = bf16", ".2f")])
 
     if "batch_invariance" in wanted:
         invariance = report.run("batch_invariance", lambda: bench_batch_invariance(models))

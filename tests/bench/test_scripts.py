@@ -121,10 +121,12 @@ def test_host_work_dry_run(tmp_path):
 
 def test_gpu_dry_run_on_the_cpu(tmp_path):
     """gpu.py's dry run: tiny shapes on the CPU, its kernels in Triton's interpreter (the copy
-    bandwidth and the verification kernel only: the other sections take a minute there)."""
-    run("bench/gpu.py", "--dry-run", "--sections", "verify", "--out", str(tmp_path))
+    bandwidth, the verification kernel and the quantized drafter: the others take a minute there)."""
+    run("bench/gpu.py", "--dry-run", "--sections", "verify,quantized_drafter", "--out", str(tmp_path))
     record = only_json(tmp_path, "gpu")
     assert isinstance(record["sections"]["verify_kernel"], list), record["sections"]["verify_kernel"]
+    timed = {(r["scheme"], r["batch"], r["n"]) for r in record["sections"]["quantized_drafter"] if "graph_ms" in r}
+    assert {("bf16", 1, 1), ("int8", 8, 5)} <= timed, record["sections"]["quantized_drafter"]
     assert record["sections"]["copy_bandwidth"]["gb_per_s"] > 0
 
 
