@@ -77,11 +77,7 @@ def test_generic_runner_is_refused_clearly(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.xfail(
-    reason="on an H100 (2026-11-25) a float32 row moved by 4.6e-6 (fused norms) / 5.7e-6 (plain) between "
-           "batches: some CUDA kernel on this path still depended on the batch; bf16 was exact. Since then the "
-           "attention's tile height is fixed too (it followed the step width and broke the CPU test on AVX-512): "
-           "to be rerun", strict=False))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_rows_logits_do_not_depend_on_its_batch_on_cuda(dtype):
     """The same on a GPU, where cuBLAS and the attention split pick kernels by batch size."""
     model = tiny_llama(seed=3, hidden=1024, heads=8, kv_heads=4, layers=2)
