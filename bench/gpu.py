@@ -233,8 +233,8 @@ class Models:
         return torch.randint(0, self.sizes.model["vocab_size"], (self.sizes.prompt_tokens,)).tolist()
 
 
-def engine_for(target, drafters, models: Models, cuda_graphs: bool | str = False) -> csd_engine.Engine:
-    return csd_engine.Engine(target, drafters=drafters, dtype=DTYPE, device=models.device, max_batch_size=1,
+def engine_for(target, drafters, models: Models, cuda_graphs: bool | str = False, batch: int = 1) -> csd_engine.Engine:
+    return csd_engine.Engine(target, drafters=drafters, dtype=DTYPE, device=models.device, max_batch_size=batch,
                              max_seq_len=models.sizes.max_seq_len, cuda_graphs=cuda_graphs)
 
 
@@ -345,41 +345,47 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
     return rows
 
 
-def step_graph_rows(models: Models, strategies, prompt, params) -> list[dict]:
+def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8)) -> list[dict]:
     """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
-    parts are not timed apart). Its tokens must equal the eager engine's (greedy). Graphs live
-    as long as their scheduler (a server's one): the warm-up request and the timed one share it."""
+    parts are not timed apart), at batch 1 and 8 (distinct prompts). Its tokens must equal an
+    eager engine's on the same (Triton) attention, greedy. Graphs live as long as their scheduler
+    (a server's one): the warm-up batch and the timed one share it."""
     rows = []
-    for name, strategy, with_mag in strategies:
-        target, drafter = models.target_runner, models.drafter_runner
-        row = dict(strategy=name, variant="one graph per step")
-        try:  # the reference runs the attention kernel the graphs run (SDPA rounds differently)
-            target.attention_backend = drafter.attention_backend = "triton"
-            eager = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
-            reference = eager.generate([prompt], params, strategy=strategy)[0].token_ids
-            engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, cuda_graphs="step")
-            with engine.scheduler(strategy, rows=1) as scheduler:
-                def one_request():
-                    scheduler.add(prompt, params)
-                    done = []
-                    while scheduler.has_unfinished():
-                        done += [out.result for out in scheduler.step() if out.finished]
-                    return done[0]
+    for batch in batches:
+        prompts = [prompt] + [models.prompt() for _ in range(batch - 1)]
+        for name, strategy, with_mag in strategies:
+            target, drafter = models.target_runner, models.drafter_runner
+            row = dict(strategy=name, variant="one graph per step" if batch == 1 else f"one graph per step, batch {batch}")
+            try:  # the reference runs the attention kernel the graphs run (SDPA rounds differently)
+                target.attention_backend = drafter.attention_backend = "triton"
+                eager = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, batch=batch)
+                reference = [r.token_ids for r in eager.generate(prompts, params, strategy=strategy)]
+                engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models, cuda_graphs="step",
+                                    batch=batch)
+                with engine.scheduler(strategy, rows=batch) as scheduler:
+                    def one_batch():
+                        ids = [scheduler.add(p, params) for p in prompts]
+                        done = {}
+                        while scheduler.has_unfinished():
+                            done.update((out.request_id, out.result) for out in scheduler.step() if out.finished)
+                        return [done[i] for i in ids]
 
-                one_request()  # warm-up: its steps' keys are captured
-                result, seconds = wall_s(one_request, models.device)
-                row["graphs"] = len(scheduler.step_graphs.graphs) if scheduler.step_graphs else 0
-            row.update(tokens_per_s=result.metrics.new_tokens / seconds,
-                       ms_per_step=seconds / result.metrics.target_forwards * 1e3,
-                       mean_accepted=result.metrics.mean_accepted_tokens,
-                       same_tokens_as_eager=result.token_ids == reference)
-            progress(f"step graphs {name}: {row['ms_per_step']:.2f} ms/step, same tokens: {row['same_tokens_as_eager']}")
-        except Exception as error:  # noqa: BLE001 - recorded, the other rows still run
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
-            progress(f"step graphs {name}: FAILED {row['error']}")
-        finally:
-            target.attention_backend = drafter.attention_backend = "sdpa"
-        rows.append(row)
+                    one_batch()  # warm-up: its steps' keys are captured
+                    results, seconds = wall_s(one_batch, models.device)
+                    row["graphs"] = len(scheduler.step_graphs.graphs) if scheduler.step_graphs else 0
+                forwards = max(r.metrics.target_forwards for r in results)
+                row.update(tokens_per_s=sum(r.metrics.new_tokens for r in results) / seconds,
+                           ms_per_step=seconds / forwards * 1e3,
+                           mean_accepted=sum(r.metrics.mean_accepted_tokens for r in results) / batch,
+                           same_tokens_as_eager=[r.token_ids for r in results] == reference)
+                progress(f"step graphs {name}, batch {batch}: {row['ms_per_step']:.2f} ms/step, "
+                         f"same tokens: {row['same_tokens_as_eager']}")
+            except Exception as error:  # noqa: BLE001 - recorded, the other rows still run
+                row["error"] = f"{type(error).__name__}: {error}"[:500]
+                progress(f"step graphs {name}, batch {batch}: FAILED {row['error']}")
+            finally:
+                target.attention_backend = drafter.attention_backend = "sdpa"
+            rows.append(row)
     return rows
 
 

@@ -137,18 +137,24 @@ def step_split(data: dict, png: Path) -> Path | None:
     if not isinstance(rows, list) or not rows:
         print(f"{png.name}: the JSON has no step_split rows", file=sys.stderr)
         return None
+    rows = [row for row in rows if "tokens_per_s" in row]  # a failed row has its error only
     fig, ax = plt.subplots(figsize=(max(6, 2 * len(rows) + 2), 5))
     bottoms = [0.0] * len(rows)
     for part in SPLIT_PARTS:
         values = [max(row.get(f"{part}_ms", 0.0), 0.0) for row in rows]
         ax.bar(range(len(rows)), values, 0.6, bottom=bottoms, label=part)
         bottoms = [b + v for b, v in zip(bottoms, values)]
+    whole = [row["ms_per_step"] if "target_ms" not in row else 0.0 for row in rows]  # one graph: not split
+    if any(whole):
+        ax.bar(range(len(rows)), whole, 0.6, bottom=bottoms, color="lightgray", hatch="//",
+               label="whole step (one graph, not split)")
+        bottoms = [b + v for b, v in zip(bottoms, whole)]
     for i, row in enumerate(rows):
         ax.text(i, bottoms[i], f"{row['tokens_per_s']:.0f} tok/s\nMAT {row['mean_accepted']:.2f}",
                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{wrap(row['strategy'], 22)}\n({row['variant']})" for row in rows], fontsize=8)
-    ax.set_ylabel("ms per target step (run with a sync around each part)")
+    ax.set_ylabel("ms per target step (split: a run with a sync around each part)")
     ax.set_ylim(0, max(bottoms) * 1.2)
     device = data.get("device") or data.get("versions", {}).get("device", "?")
     ax.set_title(f"where a speculative step's time goes\n{device}, {data.get('date', '')}", fontsize=10)
