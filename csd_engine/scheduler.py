@@ -542,7 +542,7 @@ class Scheduler:
         dev = self.engine.device
         zeros = lambda dtype: torch.zeros(rows, dtype=dtype, device=dev)  # noqa: E731
         return DecodeState(
-            tokens=torch.zeros(rows, self.engine.capacity, dtype=torch.int64, device=dev),
+            tokens=torch.zeros(rows, self.engine.capacity + 1, dtype=torch.int64, device=dev),  # + scratch
             committed=zeros(torch.int64), pending=zeros(torch.int64), active=zeros(torch.bool),
             temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, device=dev),
             seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True,

@@ -2,7 +2,8 @@
 drafter returns, and the verify-commit-rollback steps every chain strategy ends with.
 
 The committed sequence of each row lives on the device in `DecodeState.tokens`
-([B, capacity]); `pending[b]` is the last emitted token, which no model has cached yet.
+([B, capacity + 1]: its last column is scratch, where masked writes go); `pending[b]` is the
+last emitted token, which no model has cached yet.
 Every model's cache is a prefix of that sequence (`runner.cache.lengths`), so any model can
 catch up on what it has not seen by feeding `tokens[b, cache_len:committed] + pending`.
 
@@ -38,7 +39,7 @@ class Models:
 
 @dataclass
 class DecodeState:
-    tokens: torch.Tensor  # [B, capacity] int64: committed tokens of each row (prompt, then output)
+    tokens: torch.Tensor  # [B, capacity + 1] int64: committed tokens of each row (prompt, then output), then scratch
     committed: torch.Tensor  # [B] int64: how many of them are committed (= target cache length)
     pending: torch.Tensor  # [B] int64: last emitted token, not in any cache yet
     active: torch.Tensor  # [B] bool: rows still generating
@@ -153,8 +154,8 @@ class StepMetrics:
         checked = live & (pos <= accepted[:, None]) & (pos < length[:, None])
         for s in sources:
             mine = origin == s
-            self.source_accepted[s] += (took & mine).sum(1)
-            self.source_checked[s] += (checked & mine).sum(1)
+            self.source_accepted[s].add_((took & mine).sum(1))  # add_ on the row: `+=` would copy it back
+            self.source_checked[s].add_((checked & mine).sum(1))
 
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
@@ -166,8 +167,8 @@ class StepMetrics:
         a = accepted.to(torch.int64) * active
         d = drafted.to(torch.int64) * active
         self.levels.add(level)
-        self.level_accepted[level] += a
-        self.level_drafted[level] += d
+        self.level_accepted[level].add_(a)  # add_ on the row: `+=` would copy it back (a kernel more)
+        self.level_drafted[level].add_(d)
         if level != 0:
             return
         width = max(max_drafted, 1)
@@ -175,8 +176,8 @@ class StepMetrics:
             raise ValueError(f"a draft of up to {width} tokens, but the metrics count {self.accepted_by_position.shape[1]} "
                              "positions: allocate StepMetrics with the decoder's max_tokens_per_forward")
         pos = torch.arange(width, device=accepted.device)[None, :]
-        self.accepted_by_position[:, :width] += pos < a[:, None]
-        self.drafted_by_position[:, :width] += pos < d[:, None]
+        self.accepted_by_position[:, :width].add_(pos < a[:, None])
+        self.drafted_by_position[:, :width].add_(pos < d[:, None])
 
 
 class Decoder:
@@ -319,8 +320,8 @@ def commit(state: DecodeState, out: StepOutput) -> None:
     width = state.tokens.shape[1]
     col = torch.arange(block.shape[1], device=block.device)[None, :]
     keep = col < counts[:, None]
-    cols = torch.where(keep, state.committed[:, None] + col, width - 1).clamp(max=width - 1)
-    state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
+    cols = torch.where(keep, state.committed[:, None] + col, width - 1)  # not kept: the scratch column
+    state.tokens.scatter_(1, cols, block)
     last = out.tokens.gather(1, (out.counts - 1).clamp(min=0)[:, None])[:, 0]
     state.pending.copy_(torch.where(state.active, last, state.pending))
     state.committed += counts

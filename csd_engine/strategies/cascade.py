@@ -147,6 +147,11 @@ class CascadeDecoder(Decoder):
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
                  direct_match: int = 0, direct_tokens: int = 16):
         self.models = models
+        # 0, 1, 2, ...: slices stand in for torch.arange, which launches a kernel per call on a GPU
+        self.offsets = torch.arange(models.capacity + 1, device=models.device)
+        # the token buffer's scratch column as a device scalar: `where` with a Python number
+        # first launches a kernel that makes one
+        self.scratch_column = torch.tensor(models.capacity, device=models.device)
         self.levels = plan
         self.sources = plan.all_sources()
         self.neural = sorted({s.drafter for s in self.sources if s.below is not None})
@@ -164,6 +169,7 @@ class CascadeDecoder(Decoder):
         self.max_tokens_per_forward = self.max_width + 2 + self.extra
         self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.max_width + 1)} \
             if self.tree else {}
+        self.scratch_slot = torch.tensor(self.max_width, device=models.device)  # work.q's and origin's last slot
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
@@ -226,7 +232,7 @@ class CascadeDecoder(Decoder):
         direct, ready = self._direct(state)  # what the plan read (the same committed sequence)
         budgets, caps = self.budgets(state, direct, ready)
         work = self._working(state, plan, budgets, caps)
-        length = self._draft(state, work, self.levels, work.base.clone(), state.active, grown=0)
+        length = self._draft(state, work, self.levels, work.base, state.active, grown=0)
         q = None if work.q is None else work.q[:, :work.width]
         draft = Draft(self._window(state, work.base, work.width), (length - work.base).clamp(max=work.width), q)
         if self.tree:
@@ -258,7 +264,7 @@ class CascadeDecoder(Decoder):
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
         """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
         budget, in host-known rounds. Returns the new lengths; `grown` bounds length - base on
-        entry (host-known, for the forward widths)."""
+        entry (host-known, for the forward widths). Lengths are never changed in place."""
         goal = length
         for source in level.sources:
             goal = goal + work.budgets[source.index]
@@ -269,7 +275,7 @@ class CascadeDecoder(Decoder):
                     length = self._mag_append(state, work, source, length, need, m)
                     grown += m
                 else:
-                    sub = self._draft(state, work, source.below, length.clone(), need, grown)
+                    sub = self._draft(state, work, source.below, length, need, grown)
                     length = self._review(state, work, source, length, sub, need, grown)
                     grown += source.below.max_growth + 1
         return length
@@ -279,7 +285,7 @@ class CascadeDecoder(Decoder):
         at most its cap for this source (work.mag_caps)."""
         proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
         keep = torch.minimum(proposal.length, work.mag_caps[source.index]) * need
-        col = torch.arange(m, device=length.device)[None, :]
+        col = self.offsets[None, :m]
         self._write(state, work, source, length, proposal.tokens, col < keep[:, None], None)
         return length + keep
 
@@ -288,7 +294,6 @@ class CascadeDecoder(Decoder):
         the working sequence keeps the accepted ones plus its correction / bonus (rows in
         `need` only; the others review nothing and change nothing)."""
         model = self.models.drafters[source.drafter]
-        dev = mark.device
         width = source.below.max_growth  # host bound on sub_len - mark
         drafted = (sub_len - mark) * need
         model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
@@ -296,39 +301,40 @@ class CascadeDecoder(Decoder):
         fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
             fed = max(1, min(fed, int((sub_len - feed_from).max())))
-        cols = feed_from[:, None] + torch.arange(fed, device=dev)[None, :]
+        cols = feed_from[:, None] + self.offsets[None, :fed]
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
         logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
         model.cache.advance((sub_len - feed_from).clamp(min=0))
-        rel = ((mark - 1 - feed_from)[:, None] + torch.arange(width + 1, device=dev)[None, :]).clamp(0, fed - 1)
+        rel = ((mark - 1 - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
         logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
         drafts = self._window(state, mark, width)
         q = None if work.q is None else self._q_at(work, mark, width)
         args = state.sampling_args(1 + 1024 * (source.drafter + 1) + work.reviews)
         res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience, **args)
-        work.reviews += need.to(torch.int64)
+        work.reviews += need
         accepted = res.num_accepted.to(torch.int64)
+        end = mark + accepted  # the correction / bonus slot
         state.metrics.count_drafter(source.drafter)
         state.metrics.record(source.drafter + 1, accepted, drafted, need)
         e = None
         if work.q is not None:
             e = self.models.verifier.emitted_distribution(logits, drafts, drafted, q, state.temperature, state.top_k,
                                                           state.top_p, self.lenience, res, check_values=False)
-        keep = need[:, None] & (torch.arange(width + 1, device=dev)[None, :] <= accepted[:, None])
+        keep = need[:, None] & (self.offsets[None, :width + 1] <= accepted[:, None])
         block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
         self._write(state, work, source, mark, block, keep, e)
-        roll_back_drafters(self.models.drafters, torch.where(need, mark + accepted, state.tokens.shape[1]))
+        roll_back_drafters(self.models.drafters, torch.where(need, end, self.scratch_column))  # others: no-op
         if work.alt is not None:
             self._record_candidates(work, logits, mark - work.base, accepted, need)
-        return torch.where(need, mark + accepted + 1, mark)
+        return torch.where(need, end + 1, mark)
 
     def _window(self, state, start, width: int) -> torch.Tensor:
-        cols = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=state.tokens.shape[1] - 1)
+        cols = (start[:, None] + self.offsets[:width]).clamp(max=state.tokens.shape[1] - 1)
         return torch.gather(state.tokens, 1, cols)
 
     def _q_at(self, work: Working, start, width: int) -> torch.Tensor:
-        rel = ((start - work.base)[:, None] + torch.arange(width, device=start.device)).clamp(0, self.max_width - 1)
+        rel = ((start - work.base)[:, None] + self.offsets[:width]).clamp(0, self.max_width - 1)
         return work.q.gather(1, rel[:, :, None].expand(-1, -1, work.q.shape[2]))
 
     def _write(self, state, work: Working, source: Source, start, block, keep, dist):
@@ -337,14 +343,11 @@ class CascadeDecoder(Decoder):
         `source` into work.origin (a top-level source writes last: its index is what stays).
         Entries not kept go to scratch slots (the token buffer's last column, q's last slot),
         never onto a kept entry's slot: of duplicate indexes, scatter keeps one arbitrarily."""
-        width = state.tokens.shape[1]
-        slot = start[:, None] + torch.arange(block.shape[1], device=start.device)
-        cols = torch.where(keep, slot, width - 1)
-        state.tokens.scatter_(1, cols, torch.where(keep, block, state.tokens.gather(1, cols)))
+        slot = start[:, None] + self.offsets[:block.shape[1]]
+        state.tokens.scatter_(1, torch.where(keep, slot, self.scratch_column), block)
         if work.q is None and work.origin is None:
             return
-        scratch = self.max_width
-        rel = torch.where(keep, slot - work.base[:, None], scratch).clamp(0, scratch)
+        rel = torch.where(keep, slot - work.base[:, None], self.scratch_slot).clamp(0, self.max_width)
         if work.origin is not None:
             work.origin.scatter_(1, rel, torch.full_like(rel, source.index))
         if work.q is not None:
@@ -358,7 +361,7 @@ class CascadeDecoder(Decoder):
         it accepted (draft offsets start .. start + n, correction included); forget every depth
         past them, whose tokens the review just discarded."""
         depths, top = work.alt.shape[1], work.alt.shape[2]
-        col = torch.arange(depths, device=start.device)[None, :]
+        col = self.offsets[None, :depths]
         work.alt.masked_fill_((need[:, None] & (col > (start + n)[:, None]))[:, :, None], -1)
         j = col - start[:, None]  # this review's logit row for each depth
         fresh = need[:, None] & (j >= 0) & (j <= n[:, None]) & (j < logits.shape[1])
