@@ -160,12 +160,14 @@ class StepMetrics:
     def drafter_counts(self, n_drafters: int) -> list[int]:
         return [self.drafter_forwards[i] if i < len(self.drafter_forwards) else 0 for i in range(n_drafters)]
 
-    def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor,
+    def record(self, level: int, accepted: torch.Tensor, drafted: torch.Tensor, active: torch.Tensor | None,
                max_drafted: int = 0) -> None:
-        """Per-row accepted/drafted counts of one review at `level` (0 = the target).
-        max_drafted: a host-known bound on drafted (the per-position counters it touches)."""
-        a = accepted.to(torch.int64) * active
-        d = drafted.to(torch.int64) * active
+        """Per-row accepted/drafted counts of one review at `level` (0 = the target), of the
+        `active` rows (None: both counts are already 0 elsewhere). max_drafted: a host-known
+        bound on drafted (the per-position counters it touches)."""
+        a, d = accepted.to(torch.int64), drafted.to(torch.int64)
+        if active is not None:
+            a, d = a * active, d * active
         self.levels.add(level)
         self.level_accepted[level].add_(a)  # add_ on the row: `+=` would copy it back (a kernel more)
         self.level_drafted[level].add_(d)

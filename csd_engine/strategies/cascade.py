@@ -296,7 +296,8 @@ class CascadeDecoder(Decoder):
         model = self.models.drafters[source.drafter]
         width = source.below.max_growth  # host bound on sub_len - mark
         drafted = (sub_len - mark) * need
-        model.cache.rollback(mark - 1)  # recompute the logits at the last token before the draft
+        before = mark - 1  # recompute the logits at the last token before the draft
+        model.cache.rollback(before)
         feed_from = model.cache.lengths.clone()
         fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
@@ -306,25 +307,28 @@ class CascadeDecoder(Decoder):
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
         logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
         model.cache.advance((sub_len - feed_from).clamp(min=0))
-        rel = ((mark - 1 - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
+        rel = ((before - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
         logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
-        drafts = self._window(state, mark, width)
+        drafts = ids.gather(1, rel[:, 1:])  # tokens mark .. mark+width-1 (what was fed; past sub_len: padding)
         q = None if work.q is None else self._q_at(work, mark, width)
         args = state.sampling_args(1 + 1024 * (source.drafter + 1) + work.reviews)
         res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience, **args)
         work.reviews += need
-        accepted = res.num_accepted.to(torch.int64)
+        accepted = res.num_accepted.to(torch.int64)  # 0 where drafted is (rows not in need)
         end = mark + accepted  # the correction / bonus slot
         state.metrics.count_drafter(source.drafter)
-        state.metrics.record(source.drafter + 1, accepted, drafted, need)
-        e = None
-        if work.q is not None:
-            e = self.models.verifier.emitted_distribution(logits, drafts, drafted, q, state.temperature, state.top_k,
-                                                          state.top_p, self.lenience, res, check_values=False)
-        keep = need[:, None] & (self.offsets[None, :width + 1] <= accepted[:, None])
-        block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
-        self._write(state, work, source, mark, block, keep, e)
-        roll_back_drafters(self.models.drafters, torch.where(need, end, self.scratch_column))  # others: no-op
+        state.metrics.record(source.drafter + 1, accepted, drafted, None)
+        at = torch.where(need, end, self.scratch_column)  # rows not in need: the scratch column, past any cache
+        if work.q is None and work.origin is None:  # the accepted tokens are in place: write the correction only
+            state.tokens.scatter_(1, at[:, None], res.next_token[:, None])
+        else:
+            e = None if work.q is None else self.models.verifier.emitted_distribution(
+                logits, drafts, drafted, q, state.temperature, state.top_k, state.top_p, self.lenience, res,
+                check_values=False)
+            keep = need[:, None] & (self.offsets[None, :width + 1] <= accepted[:, None])
+            block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
+            self._write(state, work, source, mark, block, keep, e)
+        roll_back_drafters(self.models.drafters, at)
         if work.alt is not None:
             self._record_candidates(work, logits, mark - work.base, accepted, need)
         return torch.where(need, end + 1, mark)
