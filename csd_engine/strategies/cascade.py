@@ -295,10 +295,10 @@ class CascadeDecoder(Decoder):
         `need` only; the others review nothing and change nothing)."""
         model = self.models.drafters[source.drafter]
         width = source.below.max_growth  # host bound on sub_len - mark
-        drafted = (sub_len - mark) * need
+        drafted = sub_len - mark  # 0 for rows not in need: their sub-cascade grew nothing
         before = mark - 1  # recompute the logits at the last token before the draft
         model.cache.rollback(before)
-        feed_from = model.cache.lengths.clone()
+        feed_from = model.cache.lengths  # not a copy: read before the reset below
         fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
             fed = max(1, min(fed, int((sub_len - feed_from).max())))
@@ -306,8 +306,8 @@ class CascadeDecoder(Decoder):
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
         logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
-        model.cache.advance((sub_len - feed_from).clamp(min=0))
         rel = ((before - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
+        model.cache.reset(sub_len)  # every row fed up to sub_len (feed_from <= mark - 1 < sub_len)
         logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
         drafts = ids.gather(1, rel[:, 1:])  # tokens mark .. mark+width-1 (what was fed; past sub_len: padding)
         q = None if work.q is None else self._q_at(work, mark, width)
