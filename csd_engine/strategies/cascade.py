@@ -170,6 +170,7 @@ class CascadeDecoder(Decoder):
         self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.max_width + 1)} \
             if self.tree else {}
         self.scratch_slot = torch.tensor(self.max_width, device=models.device)  # work.q's and origin's last slot
+        self._k_rows = None  # _k_plan's two plan rows, per batch size
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
@@ -179,14 +180,35 @@ class CascadeDecoder(Decoder):
         direct or drafts nothing), then the widest draft it can fill (a direct row: MaG's
         proposal length; any other: the bound of its own budgets, below the plan's where
         Cascade.auto lowers a budget, so the target never reads the envelope's masked width)."""
-        direct, ready = self._direct(state)
+        lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
+               for d in self.models.drafters]
+        if self.reads_proposal:  # the budgets weigh what MaG holds now: computed every step
+            direct, ready = self._direct(state)
+            return torch.stack(lag + self._plan_columns(state, direct, ready), 1)
+        by_k, direct_rows = self._k_plan(state)
+        tail = by_k
+        if self.direct_match:
+            direct, ready = self._direct(state)
+            tail = torch.where(direct[:, None], direct_rows, by_k)
+            tail[:, -1] = torch.where(direct, ready, by_k[:, -1])
+        return torch.cat([torch.stack(lag, 1), tail], 1)
+
+    def _plan_columns(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None) -> list:
+        """The plan's columns after the lags: each neural source's budget, then the width."""
         budgets, _ = self.budgets(state, direct, ready)
         width = draft_bound(self.levels, budgets, self.mag_tokens)
         width = width if ready is None else torch.where(direct, ready, width)
-        neural = [budgets[s.index] for s in self.sources if s.below is not None]
-        lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
-               for d in self.models.drafters]
-        return torch.stack(lag + neural + [width], 1)
+        return [budgets[s.index] for s in self.sources if s.below is not None] + [width]
+
+    def _k_plan(self, state: DecodeState) -> tuple:
+        """([B, columns] of a row that drafts by K, the same of a direct row but its width), built
+        once per batch size: K's budgets depend on the row's direct flag alone, so a step's plan
+        is a selection (a few launches where computing it took ~40). plan() runs eagerly, never
+        inside a step graph's capture."""
+        if self._k_rows is None or self._k_rows[0].shape[0] != state.batch:
+            rows = (torch.zeros_like(state.active), torch.ones_like(state.active))
+            self._k_rows = tuple(torch.stack(self._plan_columns(state, d, None), 1) for d in rows)
+        return self._k_rows
 
     def graph_columns(self, columns: tuple) -> tuple:
         """The plan's column maxima as a step graph's key (csd_engine.step_graphs): the drafters'

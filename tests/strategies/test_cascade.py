@@ -227,6 +227,29 @@ def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
     assert fed[True][0]["target"] < fed[False][0]["target"] and fed[True][0]["drafter"] < fed[False][0]["drafter"], fed
 
 
+@pytest.mark.parametrize("direct_match", [0, 3])
+def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_match):
+    """A fixed K's plan is a per-row selection of two rows built once (a row drafting by K, a
+    direct row with MaG's proposal length as its width): the same plan as computing every
+    column from the row's budgets, for a row that goes direct and one that does not."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=48)
+    decoder = Cascade(k_matrix=((2, 4), (0, 4)), lenience=2.0, direct_match=direct_match,
+                      direct_tokens=6).decoder(engine._decoder_models())
+    scheduler = engine.scheduler(Autoregressive(), rows=2)
+    scheduler.add([5, 6, 7, 8, 9, 10, 5, 6, 7, 8])  # ends on a 4-token repeat: a long MaG match
+    scheduler.add([1, 2, 3, 4])
+    scheduler._admit()
+    state = scheduler.state
+    scheduler.close()
+    lag = [state.committed - engine.drafters[0].cache.lengths, torch.zeros_like(state.committed)]  # d1, MaG
+    for _ in range(2):  # the second call selects from the rows the first one built
+        direct, ready = decoder._direct(state)
+        computed = torch.stack(lag + decoder._plan_columns(state, direct, ready), 1)
+        assert torch.equal(decoder.plan(state), computed)
+    assert direct.tolist() == ([True, False] if direct_match else [False, False])
+
+
 def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     """Each row picks its own model and MaG budgets from its counted rates and the fixed costs: a
     row whose drafts the target always accepts drafts as much as allowed with a cheap model; a row
