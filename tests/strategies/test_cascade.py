@@ -243,7 +243,7 @@ def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_m
     state = scheduler.state
     scheduler.close()
     lag = [state.committed - engine.drafters[0].cache.lengths, torch.zeros_like(state.committed)]  # d1, MaG
-    for _ in range(2):  # the second call selects from the rows the first one built
+    for _ in range(2):  # the first call builds the two rows, the second reuses them
         direct, ready = decoder._direct(state)
         computed = torch.stack(lag + decoder._plan_columns(state, direct, ready), 1)
         assert torch.equal(decoder.plan(state), computed)
