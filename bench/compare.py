@@ -13,12 +13,16 @@ over seconds, summed over the prompts), the min-max of the rounds' tokens/s, the
 transformers' plain `generate`, mean accepted tokens per target forward, and how many outputs
 equal transformers' greedy output. The JSON (rewritten after every round; per prompt, per
 category, overall, acceptance by draft position) and its pictures go to bench/results/.
-To add a method, add a line to METHODS.
+To add a method, add a line to METHODS. A method key may carry its own settings, so that
+configurations run side by side in one interleaved run, e.g.
+    --methods 'ar,cascade-int4,cascade-int4:K=[[3,4],[0,4]]:l=3,cascade-int4:K=[[4,8],[0,4]]:m=6'
+(K: --k-matrix, l: --lenience, m: --mag-tokens, tree: --tree, k: --k, cost: --model-cost).
 """
 import json
 import statistics
 import sys
 import time
+from argparse import Namespace
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -56,13 +60,9 @@ class Setup:
     def engine_quantized(self, scheme: str) -> csd_engine.Engine:
         """The same target runner <- [the drafter with `scheme` weights ("int8", "int4"), MaG], built as
         the engine builds a quantized drafter (dense copies for wide calls)."""
-        from csd_engine.models.llama import LlamaRunner
-        from csd_engine.models.quant import drafter_dense_rows
         if scheme not in self._quantized:
-            quantize = scheme + "g32" if self.args.dry_run and scheme == "int4" else scheme  # tiny: 64-wide rows
-            dtype = harness.DTYPES[self.args.dtype]
-            drafter = LlamaRunner(self.drafter, self.engine.device, dtype, quantize=quantize,
-                                  dense_rows=drafter_dense_rows(self.engine.device, dtype))
+            drafter = harness.quantized_drafter(self.drafter, self.engine.device, harness.DTYPES[self.args.dtype],
+                                                scheme, self.args.dry_run)
             self._quantized[scheme] = self._engine(self.engine.target, [drafter, "mag"])
         return self._quantized[scheme]
 
@@ -109,30 +109,45 @@ METHODS = {
                    lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0))),
     "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
                         lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4))),
-    "spec-auto": ("csd_engine Speculative.auto(0.5B)", lambda s, a: EngineMethod(s.engine, Speculative.auto())),
+    "spec-auto": ("csd_engine Speculative.auto(0.5B)",
+                  lambda s, a: EngineMethod(s.engine, Speculative.auto(model_cost=a.model_cost))),
     "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)",
-                       lambda s, a: EngineMethod(s.engine_quantized("int8"), Speculative.auto())),
+                       lambda s, a: EngineMethod(s.engine_quantized("int8"),
+                                                 Speculative.auto(model_cost=a.model_cost))),
     "spec-auto-conf": ("csd_engine Speculative.auto(0.5B, min_confidence=0.4)",
                        lambda s, a: EngineMethod(s.engine, Speculative.auto(min_confidence=0.4))),
     "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})",
                  lambda s, a: EngineMethod(s.engine, Speculative(k=a.k_mag, drafter=1))),
     "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})",
                 lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
-                                                            mag_tokens=4))),
+                                                            mag_tokens=a.mag_tokens))),
     "cascade-tree": ("csd_engine Cascade(same, tree={tree})",
                      lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
-                                                                 mag_tokens=4, tree=tuple(json.loads(a.tree))))),
+                                                                 mag_tokens=a.mag_tokens,
+                                                                 tree=tuple(json.loads(a.tree))))),
     "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})",
                      lambda s, a: EngineMethod(s.engine_quantized("int8"), Cascade(
-                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=4))),
+                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens))),
     "cascade-int4": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g})",
                      lambda s, a: EngineMethod(s.engine_quantized("int4"), Cascade(
-                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=4))),
+                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens))),
+    "cascade-int4-tree": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g}, tree={tree})",
+                          lambda s, a: EngineMethod(s.engine_quantized("int4"), Cascade(
+                              k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
+                              tree=tuple(json.loads(a.tree))))),
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
                     lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
-    "cascade-auto": ("csd_engine Cascade.auto()", lambda s, a: EngineMethod(s.engine, Cascade.auto())),
+    "cascade-auto": ("csd_engine Cascade.auto()",
+                     lambda s, a: EngineMethod(s.engine, Cascade.auto(model_cost=a.model_cost))),
+    "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)",
+                          lambda s, a: EngineMethod(s.engine_quantized("int4"),
+                                                    Cascade.auto(model_cost=a.model_cost))),
+    "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)",
+                       lambda s, a: EngineMethod(s.engine_quantized("int4"),
+                                                 Speculative.auto(model_cost=a.model_cost))),
     "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)",
-                          lambda s, a: EngineMethod(s.engine_quantized("int8"), Cascade.auto())),
+                          lambda s, a: EngineMethod(s.engine_quantized("int8"),
+                                                    Cascade.auto(model_cost=a.model_cost))),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
@@ -143,10 +158,56 @@ METHODS = {
 }
 
 
+OVERRIDES = {"K": ("k_matrix", str), "l": ("lenience", float), "m": ("mag_tokens", int), "tree": ("tree", str),
+             "k": ("k", int), "cost": ("model_cost", float)}
+
+
+def split_methods(text: str) -> list[str]:
+    """--methods' keys: split at the commas outside brackets (a key's K matrix has its own)."""
+    keys, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            keys.append(text[start:i].strip())
+            start = i + 1
+    if depth:
+        raise ValueError(f"--methods has unbalanced brackets: {text!r}")
+    return [key for key in keys if key]
+
+
+def method_args(args, key: str):
+    """(METHODS key, the arguments with `key`'s own settings, "name:K=..:l=.."), or ValueError."""
+    name, *settings = key.split(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    own = Namespace(**vars(args))
+    for setting in settings:
+        short, _, value = setting.partition("=")
+        if short not in OVERRIDES or not value:
+            raise ValueError(f"method {key!r}: {setting!r} is not a setting; write NAME=VALUE with NAME in "
+                             f"{', '.join(OVERRIDES)}")
+        dest, kind = OVERRIDES[short]
+        try:
+            setattr(own, dest, kind(value) if kind is not str else json.dumps(json.loads(value), separators=(",", ":")))
+        except ValueError as exc:
+            raise ValueError(f"method {key!r}: {short}={value!r} is not a valid value ({exc})") from None
+    return name, own
+
+
+def label(key: str, name: str, own) -> str:
+    """The method's label with its settings; those its label does not show are appended."""
+    template = METHODS[name][0]
+    hidden = [setting for setting in key.split(":")[1:]
+              if "{" + OVERRIDES[setting.partition("=")[0]][0] not in template]
+    return template.format(**vars(own)) + (f" [{', '.join(hidden)}]" if hidden else "")
+
+
 def parse_args(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
                         max_new_tokens=128, rounds=2)
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated keys of METHODS (default all)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated keys of METHODS, each optionally with its own settings "
+                         "(KEY:K=[[3,4],[0,4]]:l=3, module docstring; default every key)")
     ap.add_argument("--categories", default=None, help="comma-separated prompt categories (default all)")
     ap.add_argument("--per-category", type=int, default=None, help="at most this many prompts of each category")
     ap.add_argument("--prompts", type=int, default=None,
@@ -158,14 +219,27 @@ def parse_args(argv=None):
     ap.add_argument("--tree", default="[3,2]", help="candidates per depth of cascade-tree's top-level tree")
     ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
+    ap.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call in the K-matrix cascades "
+                                                               "(the CLI's default)")
+    ap.add_argument("--model-cost", type=float, default=None,
+                    help="the self-tuning strategies' drafter cost, x a target forward (default: their own, "
+                         "csd_engine.strategies.budget.cost_ratio)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed rounds, one instrumented run per csd_engine method on the first prompt: "
                          "time per target step in the target, drafters, verification, MaG and the rest (skipped "
                          "with a warning if the engine's internals no longer fit bench.common.instrumented)")
     args = ap.parse_args(argv)
-    unknown = set(args.methods.split(",")) - set(METHODS)
-    if unknown:
-        ap.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    try:
+        keys = split_methods(args.methods)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not keys or len(set(keys)) < len(keys):
+        ap.error(f"--methods must name at least one method, each once; got {args.methods!r}")
+    for key in keys:
+        try:
+            method_args(args, key)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.rounds < 1 or args.max_new_tokens < 1:
         ap.error("--rounds and --max-new-tokens must be at least 1")
     if args.dry_run:
@@ -177,8 +251,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     harness.start(args)
-    methods = args.methods.split(",")
-    labels = {key: METHODS[key][0].format(**vars(args)) for key in methods}
+    methods = split_methods(args.methods)
+    configured = {key: method_args(args, key) for key in methods}
+    labels = {key: label(key, name, own) for key, (name, own) in configured.items()}
     prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category))
     prompts = prompts[:args.prompts] if args.prompts else prompts
 
@@ -186,7 +261,7 @@ def main(argv=None):
     clip = DRY_RUN_PROMPT_TOKENS if args.dry_run else None
     encoded = [encode(tokenizer, p, max_tokens=clip) for p in prompts]
     setup = Setup(args, tokenizer, target, drafter, max_seq_len=max(map(len, encoded)) + args.max_new_tokens + 64)
-    runners = {key: METHODS[key][1](setup, args) for key in methods}
+    runners = {key: METHODS[name][1](setup, own) for key, (name, own) in configured.items()}
 
     harness.progress("warm-up (6 tokens per method)")
     for key in methods:

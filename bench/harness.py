@@ -104,6 +104,15 @@ def load_pair(args: argparse.Namespace):
     return (load_tokenizer(args.target), load_model(args.target, dtype), load_model(args.drafter, dtype))
 
 
+def quantized_drafter(model, device, dtype: torch.dtype, scheme: str, dry_run: bool = False):
+    """A native runner over `model` with `scheme` weights ("int8", "int4"), built as the engine builds
+    a quantized drafter (dense copies for wide calls); a dry run's tiny rows take int4's 32-groups."""
+    from csd_engine.models.llama import LlamaRunner
+    from csd_engine.models.quant import drafter_dense_rows
+    quantize = scheme + "g32" if dry_run and scheme == "int4" else scheme
+    return LlamaRunner(model, device, dtype, quantize=quantize, dense_rows=drafter_dense_rows(device, dtype))
+
+
 # -- measuring ------------------------------------------------------------------------------------
 @dataclass
 class Timing:

@@ -3,6 +3,8 @@
     python bench/tune.py                         # 1.5B <- 0.5B <- MaG, bf16, 3 prompts x 48 tokens
     python bench/tune.py --prompts 2 --max-new-tokens 32 --quick
     python bench/tune.py --dry-run               # tiny random models, the quick grid: proves it runs
+    python bench/tune.py --quantize int4 --a 2,4,6 --b 2,4,8 --m 4 --lenience-values 2,3
+                                                 # an int4 drafter, a grid of your own
 
 Every configuration decodes the same prompts (greedy, batch 1, `--repeats` runs each, median
 kept, after a warm-up); the grid covers K = [[a, b], [0, m]] (a tokens from the 0.5B drafter,
@@ -24,15 +26,27 @@ from bench.common import encode, load_prompts, order_by_category, print_table  #
 from csd_engine import Cascade, SamplingParams, Speculative  # noqa: E402
 
 
-def grid(quick: bool) -> list[tuple[str, object, bool]]:
-    """(label, strategy, uses the MaG-only engine)."""
-    configs = [(f"Speculative(0.5B, k={k})", Speculative(k=k, drafter=0), False) for k in ((2, 4) if quick else (2, 4, 6))]
+def values(text: str, kind, name: str) -> tuple:
+    try:
+        return tuple(kind(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--{name} takes comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def grid(args) -> list[tuple[str, object, bool]]:
+    """(label, strategy, uses the MaG-only engine): Speculative and MaG-only points, then the
+    cascade's K = [[a, b], [0, m]] x lenience (the options' values, or the quick or full default grid)."""
+    drafter = f"0.5B {args.quantize}" if args.quantize else "0.5B"
+    configs = [(f"Speculative({drafter}, k={k})", Speculative(k=k, drafter=0), False)
+               for k in ((2, 4) if args.quick else (2, 4, 6))]
     configs += [(f"Cascade(MaG, K=[[{m}]])", Cascade(k_matrix=[[m]], mag_tokens=m), True)
-                for m in ((8,) if quick else (4, 8, 16))]
-    a_values, b_values, m_values, lenience_values = ((2, 4), (2, 6), (4,), (1.0, 2.0)) if quick else \
-        ((2, 4, 6), (0, 4, 8), (4, 8), (1.0, 2.0))
-    for a, b, m, lenience in itertools.product(a_values, b_values, m_values, lenience_values):
-        configs.append((f"Cascade(0.5B+MaG, K=[[{a},{b}],[0,{m}]], l={lenience:g})",
+                for m in ((8,) if args.quick else (4, 8, 16))]
+    defaults = ((2, 4), (2, 6), (4,), (1.0, 2.0)) if args.quick else ((2, 4, 6), (0, 4, 8), (4, 8), (1.0, 2.0))
+    given = (args.a and values(args.a, int, "a"), args.b and values(args.b, int, "b"),
+             args.m and values(args.m, int, "m"),
+             args.lenience_values and values(args.lenience_values, float, "lenience-values"))
+    for a, b, m, lenience in itertools.product(*[g or d for g, d in zip(given, defaults)]):
+        configs.append((f"Cascade({drafter}+MaG, K=[[{a},{b}],[0,{m}]], l={lenience:g})",
                         Cascade(k_matrix=[[a, b], [0, m]], lenience=lenience, mag_tokens=m), False))
     return configs
 
@@ -42,12 +56,23 @@ def main(argv=None):
                         max_new_tokens=48, repeats=1)
     ap.add_argument("--prompts", type=int, default=3, help="prompts from bench/prompts.json (one per category first)")
     ap.add_argument("--quick", action="store_true", help="a small grid (13 points instead of 42)")
+    ap.add_argument("--quantize", default=None, choices=("int8", "int4"), help="the drafter's weights (default bf16)")
+    ap.add_argument("--a", default=None, help="comma-separated values of a: the 0.5B's tokens per draft")
+    ap.add_argument("--b", default=None, help="comma-separated values of b: MaG's tokens after the 0.5B's")
+    ap.add_argument("--m", default=None, help="comma-separated values of m: MaG tokens the 0.5B reviews at a time")
+    ap.add_argument("--lenience-values", default=None, help="comma-separated lenience values")
     args = ap.parse_args(argv)
-    harness.start(args)
     if args.dry_run:
         args.quick, args.prompts, args.max_new_tokens = True, 1, min(args.max_new_tokens, 8)
+    try:
+        configs = grid(args)
+    except ValueError as exc:
+        ap.error(f"bad grid values: {exc}")
+    harness.start(args)
     dtype = harness.DTYPES[args.dtype]
     tok, target, drafter = harness.load_pair(args)
+    if args.quantize:
+        drafter = harness.quantized_drafter(drafter, target.device, dtype, args.quantize, args.dry_run)
     engine = csd_engine.Engine(target, drafters=[drafter, "mag"], dtype=dtype, max_batch_size=1, max_seq_len=1024,
                                tokenizer=tok)
     engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1, max_seq_len=1024,
@@ -56,7 +81,6 @@ def main(argv=None):
     encoded = [encode(tok, p, max_tokens=48 if args.dry_run else None) for p in prompts]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = [engine.generate([ids], params)[0].token_ids for ids in encoded]  # plain greedy (also a warm-up)
-    configs = grid(args.quick)
     if args.dry_run:  # the first configuration of each kind
         kinds = {}
         for label, strategy, mag_only in configs:
@@ -91,7 +115,8 @@ def main(argv=None):
     for row in rows + [ar, auto]:
         row["vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
         row["of_best"] = row["tokens_per_s"] / best["tokens_per_s"]
-    print(f"\n{args.target} <- {args.drafter} (<- MaG), {args.dtype}, greedy, batch 1, {len(encoded)} prompts x "
+    drafter_name = f"{args.drafter} ({args.quantize})" if args.quantize else args.drafter
+    print(f"\n{args.target} <- {drafter_name} (<- MaG), {args.dtype}, greedy, batch 1, {len(encoded)} prompts x "
           f"{args.max_new_tokens} tokens; grid sorted by tokens/s, then Autoregressive and Cascade.auto()")
     print_table(rows + [ar, auto], [("config", "configuration", "s"), ("tokens_per_s", "tokens/s", ".2f"),
                                     ("spread", "min-max", "s"), ("vs_ar", "vs AR", ".2f"), ("of_best", "of best", ".2f"),

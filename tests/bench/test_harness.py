@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from bench import compare, harness
+from bench import compare, harness, tune
 from bench.common import encode, load_prompts, order_by_category
 from bench.tiny import VOCAB, tiny_tokenizer
 
@@ -85,6 +85,38 @@ def test_every_compare_method_has_a_label_and_a_factory():
     args = compare.parse_args(["--dry-run"])
     for key, (label, factory) in compare.METHODS.items():
         assert label.format(**vars(args)) and callable(factory), key
+
+
+def test_compare_methods_carry_their_own_settings():
+    args = compare.parse_args(["--dry-run", "--methods", "ar,cascade-int4:K=[[3, 4],[0,4]]:l=3,cascade:m=6"])
+    keys = compare.split_methods(args.methods)
+    assert keys == ["ar", "cascade-int4:K=[[3, 4],[0,4]]:l=3", "cascade:m=6"]
+    name, own = compare.method_args(args, keys[1])
+    assert (name, own.k_matrix, own.lenience, own.mag_tokens) == ("cascade-int4", "[[3,4],[0,4]]", 3.0, 4)
+    assert args.k_matrix == "[[2,4],[0,4]]" and args.lenience == 2.0  # the shared arguments stay
+    assert compare.label(keys[1], name, own) == "csd_engine Cascade(0.5B int4+MaG, K=[[3,4],[0,4]], l=3)"
+    name, own = compare.method_args(args, keys[2])
+    assert compare.label(keys[2], name, own).endswith("l=2) [m=6]")  # m is not in the label: appended
+
+
+@pytest.mark.parametrize("methods, message", [
+    ("ar,cascade:x=1", "'x=1' is not a setting"), ("ar,cascade:K=[[1,2]", "unbalanced brackets"),
+    ("ar,cascade:l=two", "l='two' is not a valid value"), ("ar,nope", "unknown method 'nope'"),
+    ("ar,ar", "each once")])
+def test_compare_refuses_bad_method_settings(methods, message, capsys):
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--dry-run", "--methods", methods])
+    assert message in capsys.readouterr().err
+
+
+def test_tune_grid_takes_the_values_given():
+    args = argparse.Namespace(quick=False, quantize="int4", a="3,4", b="8", m="4", lenience_values="2")
+    labels = [label for label, _, _ in tune.grid(args) if label.startswith("Cascade(0.5B")]
+    assert labels == ["Cascade(0.5B int4+MaG, K=[[3,8],[0,4]], l=2)", "Cascade(0.5B int4+MaG, K=[[4,8],[0,4]], l=2)"]
+    with pytest.raises(ValueError, match="--a takes comma-separated ints, got '3,x'"):
+        tune.grid(argparse.Namespace(quick=True, quantize=None, a="3,x", b=None, m=None, lenience_values=None))
+    with pytest.raises(ValueError, match="lenience"):  # the strategy's own check
+        tune.grid(argparse.Namespace(quick=True, quantize=None, a=None, b=None, m=None, lenience_values="0.5"))
 
 
 class Runner:
