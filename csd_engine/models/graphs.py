@@ -113,6 +113,7 @@ class GraphedRunner(Runner):
         runner.attention_backend = "triton"
         self.runner = runner
         self.vocab_size, self.num_params, self.device = runner.vocab_size, runner.num_params, runner.device
+        self.weight_bytes = runner.weight_bytes
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.use_graphs = self.device.type == "cuda"

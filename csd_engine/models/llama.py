@@ -33,7 +33,7 @@ from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
-from csd_engine.models.quant import linear, parse_scheme, quantize_weight
+from csd_engine.models.quant import QuantizedLinear, linear, parse_scheme, quantize_weight
 from csd_engine.models.runner import ForwardBatch, Runner
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -122,6 +122,15 @@ class LlamaRunner(Runner):
             ))
             if maybe(p + "mlp.gate_proj.bias") is not None:
                 raise ValueError("MLP biases (mlp_bias=True) are not supported by the native runner")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a decoding forward streams: every layer's weights (packed where quantized), the
+        final norm and the head; not the embedding table, of which it reads a row per token."""
+        def streamed(w):
+            return 0 if w is None else w.streamed_bytes if isinstance(w, QuantizedLinear) else w.nbytes
+        return (sum(streamed(w) for layer in self.layers for w in layer.values()) + streamed(self.lm_head)
+                + self.final_norm.nbytes)
 
     def allocate(self, batch: int, capacity: int) -> None:
         self.full_cache = KVCache.allocate(self.num_layers, batch, self.num_kv_heads, capacity,

@@ -163,7 +163,12 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales.nbytes + (self.dense.nbytes if self.dense is not None else 0)
+        return self.streamed_bytes + (self.dense.nbytes if self.dense is not None else 0)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What a call of up to dense_rows rows reads: the packed weight and its scales."""
+        return self.packed.nbytes + self.scales.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != self.dtype:

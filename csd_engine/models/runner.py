@@ -35,6 +35,9 @@ class Runner:
     vocab_size: int
     num_params: int
     device: torch.device
+    # Bytes a decoding forward streams (the native runner's weights, packed where quantized); None
+    # where unknown. At decode sizes a forward's cost follows it (budget.cost_ratio).
+    weight_bytes: int | None = None
     cache: KVCache | None = None
     # Every token id that ends a generation (tokenizer and generation config; see loader.eos_token_ids).
     eos_token_ids: tuple[int, ...] = ()

@@ -32,6 +32,12 @@ KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.0), (3, 1.07), (4, 1.13), (5, 1.36), (6, 1
                       (9, 2.19), (11, 2.66), (13, 2.95), (17, 3.87))
 
 
+def on_bf16_kernel(models: Models) -> bool:
+    """The target's bf16 forwards run on csd_engine's CPU kernel (a CPU without native bf16)."""
+    return (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.bfloat16
+            and ops.bf16_kernel_pays())
+
+
 def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tensor:
     """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
@@ -39,10 +45,7 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (AVX-512: 17 tokens cost 1.18x one;
     a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
-    target = models.target
-    kernel = (models.device.type == "cpu" and getattr(target, "dtype", None) == torch.bfloat16
-              and ops.bf16_kernel_pays())
-    if width_cost is None and kernel:
+    if width_cost is None and on_bf16_kernel(models):
         x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*KERNEL_WIDTH_COSTS))
         i = (torch.searchsorted(x, w, right=True) - 1).clamp(0, len(x) - 2)
         cost = y[i] + (w - x[i]) * (y[i + 1] - y[i]) / (x[i + 1] - x[i])
@@ -51,10 +54,17 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     return cost.to(models.device, torch.float32)
 
 
-def parameter_ratio(models: Models, drafter: int) -> float:
-    """A drafter's forward cost relative to the target's, from parameter counts (decoding at
-    small batch streams the weights once per forward)."""
-    return models.drafters[drafter].num_params / models.target.num_params
+def cost_ratio(models: Models, drafter: int) -> float:
+    """A drafter's forward cost relative to the target's: decoding at small batch streams the
+    weights once per forward, so the ratio of the bytes streamed (a quantized drafter's packed
+    weights). The ratio of parameter counts where a runner does not say its bytes, and where
+    csd_engine's bf16 kernel runs the target: its kernels widen every weight to fp32 and cost
+    more than their bytes (2-core AVX2 EPYC: the Qwen 0.5B's int8 one-token forward 0.31 of
+    the 1.5B's, its bytes 0.17; the parameter price is what the strategies were tuned with there)."""
+    d, t = models.drafters[drafter], models.target
+    if getattr(d, "weight_bytes", None) and getattr(t, "weight_bytes", None) and not on_bf16_kernel(models):
+        return d.weight_bytes / t.weight_bytes
+    return d.num_params / t.num_params
 
 
 def chain_budget(rate: torch.Tensor, max_tokens: int, model_cost: float, costs: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*), bet
 MaG tokens the model accepted in its reviews, all counted in this generate call with a prior worth
 `prior` drafts: `prior_rate` for alpha (0.8, optimistic as in Speculative.auto: a row learns alpha
 only by drafting, so a pessimistic start stops it for good after a few misses), 0.5 for gamma and
-beta; c_model: the model's forward cost relative to the target's, from parameter counts unless
+beta; c_model: the model's forward cost relative to the target's, from the bytes its forward streams unless
 `model_cost` gives it; width(n): a target forward over n tokens relative to a one-token one,
 the platform's curve (budget.width_costs) unless `width_cost` gives a slope. A model review of
 1 + c tokens costs its one-token forward plus the target's width increment: more than the model's
@@ -38,7 +38,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
-from csd_engine.strategies.budget import counted_rate, geometric, parameter_ratio, width_costs
+from csd_engine.strategies.budget import cost_ratio, counted_rate, geometric, width_costs
 from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
 
 
@@ -52,7 +52,7 @@ class AutoCascade:
     width_cost: float | None = None  # a slope: one more token's cost in a forward (default: the platform's curve)
     prior: float = 4.0  # drafts' worth of the prior acceptance rates
     prior_rate: float = 0.8  # the model's prior rate alpha (MaG's and the reviews' start at 0.5)
-    model_cost: float | None = None  # the model's forward cost relative to the target's (default: parameter ratio)
+    model_cost: float | None = None  # the model's forward cost relative to the target's (default: budget.cost_ratio)
 
     def __post_init__(self):
         for name in ("max_tokens", "mag_tokens", "direct_tokens"):
@@ -81,7 +81,7 @@ class AutoCascade:
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
-            cost = parameter_ratio(models, 0)
+            cost = cost_ratio(models, 0)
         costs = width_costs(models, self.width_cost, 1 + a + m)
         return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
                                   self, cost or 0.0, costs)

@@ -20,7 +20,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
                                         roll_back_drafters, verify_chain)
-from csd_engine.strategies.budget import chain_budget, counted_rate, parameter_ratio, width_costs
+from csd_engine.strategies.budget import chain_budget, cost_ratio, counted_rate, width_costs
 from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
 
 
@@ -31,7 +31,7 @@ class AutoSpeculative:
     min_confidence: float = 0.0
     prior: float = 4.0  # drafts' worth of the prior acceptance rate
     prior_rate: float = 0.8
-    model_cost: float | None = None  # the drafter's forward cost relative to the target's (default: parameter ratio)
+    model_cost: float | None = None  # the drafter's forward cost relative to the target's (default: budget.cost_ratio)
     width_cost: float | None = None  # one more token's cost in a target forward (default: the platform's curve)
 
     def __post_init__(self):
@@ -54,7 +54,7 @@ class AutoSpeculative:
         if isinstance(models.drafters[self.drafter], MaG):
             raise ValueError("Speculative.auto() tunes a neural drafter's draft length; MaG's drafts are already "
                              "only what it matched: use Speculative(k=...) with MaG")
-        cost = parameter_ratio(models, self.drafter) if self.model_cost is None else self.model_cost
+        cost = cost_ratio(models, self.drafter) if self.model_cost is None else self.model_cost
         costs = width_costs(models, self.width_cost, self.max_tokens + 1)
         return AutoSpeculativeDecoder(models, self, float(cost), costs)
 

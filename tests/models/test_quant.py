@@ -155,6 +155,37 @@ def test_quantized_drafter_keeps_speculation_lossless():
     assert sum(r.metrics.accepted for r in out) > 0
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_quantized_drafter_is_priced_by_the_bytes_its_forward_streams(kernel, monkeypatch):
+    """weight_bytes: each layer's weights and the head as stored (packed where quantized, never
+    the dense copies of wide calls), not the embedding; the self-tuning strategies' drafter cost
+    (budget.cost_ratio) is its ratio, so an int4 drafter is about a quarter of the bf16 one;
+    where csd_engine's bf16 kernel runs the target, the parameter ratio (as tuned there)."""
+    from types import SimpleNamespace
+
+    from csd_engine.strategies import budget
+    monkeypatch.setattr(budget, "on_bf16_kernel", lambda models: kernel)
+    model = tiny_llama(seed=12, tie=True).to(torch.bfloat16)
+    dense = LlamaRunner(model, "cpu", torch.bfloat16)
+    packed = LlamaRunner(model, "cpu", torch.bfloat16, quantize="int4g32", dense_rows=16)
+    embed = model.model.embed_tokens.weight
+    layers = sum(p.nbytes for p in model.model.layers.parameters()) + model.model.norm.weight.nbytes
+    assert dense.weight_bytes == layers + embed.nbytes  # tied: the head is the embedding, streamed once
+    matrices = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in PROJECTIONS)
+    matrices += embed.numel()  # the head, packed
+    scales = 2 * 2 * matrices // 32  # a bf16 scale and zero per group of 32
+    assert packed.weight_bytes == layers - 2 * (matrices - embed.numel()) + matrices // 2 + scales
+    assert GraphedRunner(packed).weight_bytes == packed.weight_bytes
+    early = dense.truncated(1)
+    models = SimpleNamespace(target=dense, drafters=[packed, early], device=torch.device("cpu"))
+    if kernel:
+        assert budget.cost_ratio(models, 0) == 1.0
+        assert budget.cost_ratio(models, 1) == early.num_params / dense.num_params
+    else:
+        assert budget.cost_ratio(models, 0) == packed.weight_bytes / dense.weight_bytes < 0.4
+        assert budget.cost_ratio(models, 1) == early.weight_bytes / dense.weight_bytes < 1
+
+
 def test_graphed_quantized_runner_matches_the_eager_one():
     """GraphedRunner's static-buffer forward (off CUDA a plain call) over a quantized runner."""
     model = tiny_llama(seed=5)
