@@ -99,6 +99,22 @@ class EngineMethod:
         return result.token_ids, result.metrics
 
 
+def _engine(setup: Setup, scheme: str | None) -> csd_engine.Engine:
+    return setup.engine if scheme is None else setup.engine_quantized(scheme)
+
+
+def k_cascade(scheme: str | None = None, tree: bool = False):
+    """Factory of Cascade(--k-matrix, --lenience, --mag-tokens[, --tree]) over [0.5B (`scheme`), MaG]."""
+    return lambda s, a: EngineMethod(_engine(s, scheme), Cascade(
+        k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
+        tree=tuple(json.loads(a.tree)) if tree else ()))
+
+
+def self_tuning(strategy, scheme: str | None = None):
+    """Factory of `strategy`.auto(model_cost=--model-cost) over [0.5B (`scheme`), MaG]."""
+    return lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(model_cost=a.model_cost))
+
+
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
 METHODS = {
     "hf": ("transformers generate", lambda s, a: Transformers(s)),
@@ -109,45 +125,24 @@ METHODS = {
                    lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0))),
     "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
                         lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4))),
-    "spec-auto": ("csd_engine Speculative.auto(0.5B)",
-                  lambda s, a: EngineMethod(s.engine, Speculative.auto(model_cost=a.model_cost))),
-    "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)",
-                       lambda s, a: EngineMethod(s.engine_quantized("int8"),
-                                                 Speculative.auto(model_cost=a.model_cost))),
+    "spec-auto": ("csd_engine Speculative.auto(0.5B)", self_tuning(Speculative)),
+    "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)", self_tuning(Speculative, "int8")),
+    "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)", self_tuning(Speculative, "int4")),
     "spec-auto-conf": ("csd_engine Speculative.auto(0.5B, min_confidence=0.4)",
                        lambda s, a: EngineMethod(s.engine, Speculative.auto(min_confidence=0.4))),
     "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})",
                  lambda s, a: EngineMethod(s.engine, Speculative(k=a.k_mag, drafter=1))),
-    "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})",
-                lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
-                                                            mag_tokens=a.mag_tokens))),
-    "cascade-tree": ("csd_engine Cascade(same, tree={tree})",
-                     lambda s, a: EngineMethod(s.engine, Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience,
-                                                                 mag_tokens=a.mag_tokens,
-                                                                 tree=tuple(json.loads(a.tree))))),
-    "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})",
-                     lambda s, a: EngineMethod(s.engine_quantized("int8"), Cascade(
-                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens))),
-    "cascade-int4": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g})",
-                     lambda s, a: EngineMethod(s.engine_quantized("int4"), Cascade(
-                         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens))),
+    "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})", k_cascade()),
+    "cascade-tree": ("csd_engine Cascade(same, tree={tree})", k_cascade(tree=True)),
+    "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int8")),
+    "cascade-int4": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int4")),
     "cascade-int4-tree": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g}, tree={tree})",
-                          lambda s, a: EngineMethod(s.engine_quantized("int4"), Cascade(
-                              k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
-                              tree=tuple(json.loads(a.tree))))),
+                          k_cascade("int4", tree=True)),
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
                     lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
-    "cascade-auto": ("csd_engine Cascade.auto()",
-                     lambda s, a: EngineMethod(s.engine, Cascade.auto(model_cost=a.model_cost))),
-    "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)",
-                          lambda s, a: EngineMethod(s.engine_quantized("int4"),
-                                                    Cascade.auto(model_cost=a.model_cost))),
-    "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)",
-                       lambda s, a: EngineMethod(s.engine_quantized("int4"),
-                                                 Speculative.auto(model_cost=a.model_cost))),
-    "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)",
-                          lambda s, a: EngineMethod(s.engine_quantized("int8"),
-                                                    Cascade.auto(model_cost=a.model_cost))),
+    "cascade-auto": ("csd_engine Cascade.auto()", self_tuning(Cascade)),
+    "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)", self_tuning(Cascade, "int8")),
+    "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)", self_tuning(Cascade, "int4")),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
