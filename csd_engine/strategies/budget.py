@@ -60,7 +60,7 @@ def cost_ratio(models: Models, drafter: int) -> float:
     weights). The ratio of parameter counts where a runner does not say its bytes, and where
     csd_engine's bf16 kernel runs the target: its kernels widen every weight to fp32 and cost
     more than their bytes (2-core AVX2 EPYC: the Qwen 0.5B's int8 one-token forward 0.31 of
-    the 1.5B's, its bytes 0.17; the parameter price is what the strategies were tuned with there)."""
+    the 1.5B's, its bytes 0.16; the parameter price is what the strategies were tuned with there)."""
     d, t = models.drafters[drafter], models.target
     if getattr(d, "weight_bytes", None) and getattr(t, "weight_bytes", None) and not on_bf16_kernel(models):
         return d.weight_bytes / t.weight_bytes
