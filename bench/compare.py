@@ -99,20 +99,26 @@ class EngineMethod:
         return result.token_ids, result.metrics
 
 
+def reads(factory, *settings: str):
+    """`factory` with the per-method settings (OVERRIDES' names) it reads, so others are refused."""
+    factory.settings = settings
+    return factory
+
+
 def _engine(setup: Setup, scheme: str | None) -> csd_engine.Engine:
     return setup.engine if scheme is None else setup.engine_quantized(scheme)
 
 
 def k_cascade(scheme: str | None = None, tree: bool = False):
     """Factory of Cascade(--k-matrix, --lenience, --mag-tokens[, --tree]) over [0.5B (`scheme`), MaG]."""
-    return lambda s, a: EngineMethod(_engine(s, scheme), Cascade(
+    return reads(lambda s, a: EngineMethod(_engine(s, scheme), Cascade(
         k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
-        tree=tuple(json.loads(a.tree)) if tree else ()))
+        tree=tuple(json.loads(a.tree)) if tree else ())), "K", "l", "m", *(("tree",) if tree else ()))
 
 
 def self_tuning(strategy, scheme: str | None = None):
     """Factory of `strategy`.auto(model_cost=--model-cost) over [0.5B (`scheme`), MaG]."""
-    return lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(model_cost=a.model_cost))
+    return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(model_cost=a.model_cost)), "cost")
 
 
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
@@ -122,9 +128,10 @@ METHODS = {
     "hf-lookup": ("transformers prompt lookup", lambda s, a: Transformers(s, dict(prompt_lookup_num_tokens=10))),
     "ar": ("csd_engine Autoregressive", lambda s, a: EngineMethod(s.engine, Autoregressive())),
     "spec-model": ("csd_engine Speculative(0.5B, k={k})",
-                   lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0))),
+                   reads(lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0)), "k")),
     "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
-                        lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4))),
+                        reads(lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4)),
+                              "k")),
     "spec-auto": ("csd_engine Speculative.auto(0.5B)", self_tuning(Speculative)),
     "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)", self_tuning(Speculative, "int8")),
     "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)", self_tuning(Speculative, "int4")),
@@ -147,9 +154,10 @@ METHODS = {
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
     # pearl-overlap runs PEARL's concurrent rounds anyway.
-    "pearl": ("csd_engine Pearl(0.5B, gamma={k})", lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0))),
+    "pearl": ("csd_engine Pearl(0.5B, gamma={k})",
+              reads(lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0)), "k")),
     "pearl-overlap": ("csd_engine Pearl(0.5B, gamma={k}, overlap=True)",
-                      lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0, overlap=True))),
+                      reads(lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0, overlap=True)), "k")),
 }
 
 
@@ -171,7 +179,8 @@ def split_methods(text: str) -> list[str]:
 
 
 def method_args(args, key: str):
-    """(METHODS key, the arguments with `key`'s own settings, "name:K=..:l=.."), or ValueError."""
+    """(METHODS key, a copy of the arguments with the settings of `key` ("name:K=..:l=..") applied);
+    ValueError for an unknown method, setting or value, or a setting the method does not read."""
     name, *settings = key.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -181,6 +190,10 @@ def method_args(args, key: str):
         if short not in OVERRIDES or not value:
             raise ValueError(f"method {key!r}: {setting!r} is not a setting; write NAME=VALUE with NAME in "
                              f"{', '.join(OVERRIDES)}")
+        takes = getattr(METHODS[name][1], "settings", ())
+        if short not in takes:
+            raise ValueError(f"method {key!r}: {name} does not read {short}; its settings: "
+                             f"{', '.join(takes) or 'none'}")
         dest, kind = OVERRIDES[short]
         try:
             setattr(own, dest, kind(value) if kind is not str else json.dumps(json.loads(value), separators=(",", ":")))

@@ -102,7 +102,8 @@ def test_compare_methods_carry_their_own_settings():
 @pytest.mark.parametrize("methods, message", [
     ("ar,cascade:x=1", "'x=1' is not a setting"), ("ar,cascade:K=[[1,2]", "unbalanced brackets"),
     ("ar,cascade:l=two", "l='two' is not a valid value"), ("ar,nope", "unknown method 'nope'"),
-    ("ar,ar", "each once")])
+    ("ar,ar", "each once"), ("ar:k=3", "ar does not read k; its settings: none"),
+    ("cascade-int4:cost=0.3", "cascade-int4 does not read cost; its settings: K, l, m")])
 def test_compare_refuses_bad_method_settings(methods, message, capsys):
     with pytest.raises(SystemExit):
         compare.parse_args(["--dry-run", "--methods", methods])
@@ -112,7 +113,8 @@ def test_compare_refuses_bad_method_settings(methods, message, capsys):
 def test_tune_grid_takes_the_values_given():
     args = argparse.Namespace(quick=False, quantize="int4", a="3,4", b="8", m="4", lenience_values="2")
     labels = [label for label, _, _ in tune.grid(args) if label.startswith("Cascade(0.5B")]
-    assert labels == ["Cascade(0.5B int4+MaG, K=[[3,8],[0,4]], l=2)", "Cascade(0.5B int4+MaG, K=[[4,8],[0,4]], l=2)"]
+    assert labels == ["Cascade(0.5B int4+MaG, K=[[3,8],[0,4]], l=2)",
+                      "Cascade(0.5B int4+MaG, K=[[4,8],[0,4]], l=2)"]
     with pytest.raises(ValueError, match="--a takes comma-separated ints, got '3,x'"):
         tune.grid(argparse.Namespace(quick=True, quantize=None, a="3,x", b=None, m=None, lenience_values=None))
     with pytest.raises(ValueError, match="lenience"):  # the strategy's own check
