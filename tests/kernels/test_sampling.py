@@ -9,7 +9,6 @@ reference against the definition, and the references' promise of no host reads.
   verify_ref, emitted_distribution, tree_verify_ref) runs under a dispatch mode that counts reads
   of tensor values into Python: with check_values off and host-known hints there must be none.
 """
-import time
 import traceback
 
 import pytest
@@ -20,15 +19,12 @@ from csd_engine.kernels.sampling import processed, processed_ref
 from csd_engine.kernels.tree_verify import tree_verify_ref
 from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, verify, verify_ref
 from tests.kernels.test_verify import cutoff_by_definition, random_batch
+from tests.stats import fresh_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
-
-
-def fresh_seed() -> int:
-    return time.time_ns() % 2**31
 
 
 def tied_rows(gen: torch.Generator, rows: int, vocab: int):

@@ -8,7 +8,6 @@
   The Triton interpreter is too slow for 20000 rows: without a GPU the kernel must equal the
   reference on a few rows of the same trees; on a GPU it also runs the full tests.
 """
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 from csd_engine.kernels.random import gumbel_ref, uniform_ref
 from csd_engine.kernels.tree_verify import TreeVerifyResult, tree_verify, tree_verify_ref
-from tests.stats import assert_distribution
+from tests.stats import assert_distribution, fresh_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DRAWS = 20000
@@ -24,10 +23,6 @@ LOGIT_SCALE = 3.0  # peaked targets, so that draft tokens are often accepted
 
 # The Triton interpreter turns a runtime loop bound (a 1-element array) into an int: NumPy warns.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
-
-def fresh_seed() -> int:
-    return time.time_ns() % 2**31
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

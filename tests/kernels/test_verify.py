@@ -9,13 +9,12 @@ and exact distributions of docs/algorithms.md (chain verification, lenience).
   kernel gets that test on a few hundred draws of a small vocabulary.
 """
 import functools
-import time
 
 import pytest
 import torch
 
 from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, verify, verify_ref
-from tests.stats import assert_distribution
+from tests.stats import assert_distribution, fresh_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DRAWS = 20000
@@ -26,10 +25,6 @@ LOGIT_SCALE = 3.0  # peaked reviewers, so that drafts are often accepted
 # -inf on purpose) and about turning a runtime loop bound (a 1-element array) into an int.
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
-
-
-def fresh_seed() -> int:
-    return time.time_ns() % 2**31
 
 
 def random_batch(gen: torch.Generator, batch: int, k: int, vocab: int, with_draft_probs: bool,

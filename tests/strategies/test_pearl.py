@@ -9,7 +9,7 @@ from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculat
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.strategies.pearl import Pearl
-from tests.stats import assert_distribution
+from tests.stats import assert_distribution, fresh_seed
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
 
@@ -22,12 +22,6 @@ NOISES = (0.0, 0.1, 3.0)
 def models():
     target = tiny_llama(seed=21)
     return target, [perturbed(target, noise=n, seed=22) for n in NOISES]
-
-
-def fresh_seed() -> int:
-    seed = int(torch.randint(0, 10**6, (1,)))
-    print(f"seed {seed}")  # pytest shows it with any failure, statistical ones included
-    return seed
 
 
 def assert_metrics_consistent(result, gamma):

@@ -2,7 +2,6 @@
 (several tree shapes, batched with ragged prompts and ragged accepted depths, MaG second stage,
 generic runner, Triton tree kernel), sampling follows the target, and the target's cache after
 tree compaction holds exactly what plain decoding would have put there."""
-import time
 
 import pytest
 import torch
@@ -11,14 +10,9 @@ from csd_engine import Autoregressive, Engine, SamplingParams
 from csd_engine.strategies.base import Decoder, commit
 from csd_engine.strategies.staged import Staged
 from csd_engine.strategies.tree import TreeShape, branching_parents, verify_tree_and_commit
+from tests.stats import fresh_seed
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
 from tests.tiny_models import VOCAB, perturbed, random_prompts, tiny_gpt2, tiny_llama
-
-
-def fresh_seed() -> int:
-    seed = time.time_ns() % 10**6
-    print(f"seed={seed}")  # pytest shows it with a failure: rerun with this seed to reproduce
-    return seed
 
 
 @pytest.fixture(scope="module")
