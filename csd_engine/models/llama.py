@@ -47,6 +47,20 @@ INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (f
 INVARIANT_BLOCK_ROWS = 16  # (query token, head) rows per attention tile in batch-invariant mode: any step width
 
 
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per row on the CPU, in float32 like SDPA: q [B, 1, Hq, D], k and
+    v [B, Hkv, S, D], mask [B, 1, 1, S] bool; returns [B, 1, Hq, D] in q's dtype. Each KV head's
+    query group is one matrix product with the keys. SDPA's CPU flash kernel parallelises over
+    query blocks, of which decoding has one: at 1100 keys it took 1.1 ms per Qwen 1.5B layer, this
+    0.14 ms (2 cores, bf16; 0.2 against 0.07 ms at 200 keys)."""
+    b, _, hq, d = q.shape
+    hkv = k.shape[1]
+    query = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
+    scores = torch.matmul(query, k.float().transpose(-1, -2)) * d ** -0.5  # [B, Hkv, group, S]
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(weights, v.float()).view(b, 1, hq, d).to(q.dtype)
+
+
 class LlamaRunner(Runner):
     def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa",
                  fused: bool | None = None, quantize: str | None = None, dense_rows: int = 0):
@@ -191,6 +205,8 @@ class LlamaRunner(Runner):
             return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
+        if q.shape[1] == 1 and q.device.type == "cpu" and not self.row_block:
+            return one_query_attention(q, k, v, mask)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)

@@ -1,9 +1,11 @@
 """Native runner vs transformers: logits within float32 error, cache writes and rollback."""
 import pytest
 import torch
+import torch.nn.functional as F
 
+from csd_engine.kernels.mask import attention_mask
 from csd_engine.models.loader import load_runner
-from csd_engine.models.llama import LlamaRunner
+from csd_engine.models.llama import LlamaRunner, one_query_attention
 from csd_engine.models.runner import ForwardBatch
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 
@@ -117,3 +119,27 @@ def test_fused_kernels_give_the_plain_path_logits(dtype):
     torch.testing.assert_close(fused.cache.v, plain.cache.v, **tol)
     if dtype == torch.float32:
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 16), (14, 2, 64), (12, 2, 128)])
+def test_one_query_attention_is_sdpa_in_float32(heads, kv_heads, dim):
+    """The CPU decoding path (one new token per row) computes what SDPA computes, GQA and ragged
+    rows included: float32 to rounding, bf16 as close to the float64 truth as SDPA is."""
+    g = torch.Generator().manual_seed(heads)
+    lengths = torch.tensor([0, 37, 90])  # committed tokens per row; the new token sits at slot lengths[b]
+    mask = attention_mask(lengths, 1, 96, None)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64)
+               for shape in ((3, 1, heads, dim), (3, kv_heads, 96, dim), (3, kv_heads, 96, dim)))
+    truth = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                           enable_gqa=heads != kv_heads).transpose(1, 2)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, None)):
+        q_, k_, v_ = (x.to(dtype) for x in (q, k, v))
+        ours = one_query_attention(q_, k_, v_, mask)
+        sdpa = F.scaled_dot_product_attention(q_.transpose(1, 2), k_, v_, attn_mask=mask,
+                                              enable_gqa=heads != kv_heads).transpose(1, 2)
+        assert ours.dtype == dtype and ours.shape == q.shape
+        err, sdpa_err = ((x.double() - truth).abs().max().item() for x in (ours, sdpa))
+        if tolerance:
+            assert err < tolerance and (ours - sdpa).abs().max().item() < tolerance
+        else:  # one bf16 rounding of the output, as SDPA's
+            assert err <= max(sdpa_err, 2 ** -8 * truth.abs().max().item()), f"{err:.2e} vs SDPA's {sdpa_err:.2e}"
