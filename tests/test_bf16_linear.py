@@ -111,6 +111,29 @@ def test_dense_linear_takes_the_kernel_as_forced(forced, want, monkeypatch, gen)
         ops.bf16_kernel_pays.cache_clear()
 
 
+@pytest.mark.parametrize("shape", [(40,), (1, 40), (1, 1, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_on_torchs_bf16_matmul_keeps_its_shape_and_precision(shape, bias, monkeypatch, gen):
+    """Without the kernel (CSD_BF16_LINEAR=0) a one-row bf16 call goes to torch's matmul with a
+    zero row beside it (faster there): the shape is kept, and the row is the exact product within
+    fp32 accumulation and one bf16 rounding (two with a bias, should torch round before adding it)."""
+    g, seed = gen
+    x, w, b = case(g, 1, 24, 40, bias)
+    monkeypatch.setenv("CSD_BF16_LINEAR", "0")
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        y = ops.dense_linear(x.reshape(shape), w, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 24)
+        exact = x.double() @ w.double().T + (b.double() if bias else 0)
+        magnitude = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+        e = (40 + 4) * 2.0 ** -24 * magnitude
+        err = (y.reshape(1, -1).double() - exact).abs()
+        assert (err <= e + (2 if bias else 1) * 2.0 ** -8 * (magnitude + e)).all(), f"seed {seed}: {err.max()}"
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
+
+
 def test_a_bad_switch_value_names_the_allowed_ones(monkeypatch):
     monkeypatch.setenv("CSD_BF16_LINEAR", "yes")
     ops.bf16_kernel_pays.cache_clear()
