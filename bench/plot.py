@@ -12,6 +12,7 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
 * forward-cost JSON -> X-forward-cost.png: cost of an n-token forward relative to one token.
 * serve JSON -> X-latency.png: per strategy, tokens/s served (and offline), time to first token
   and inter-token latency (p50 and p99).
+* draft-policy JSON -> X-policies.png: tokens per cost of each replayed draft policy, per category.
 
 Needs matplotlib (in requirements-ci.txt); without it, says so and draws nothing.
 """
@@ -40,7 +41,7 @@ def draw(json_path) -> list[Path]:
     data = json.loads(json_path.read_text())
     stem = json_path.with_suffix("")
     pictures = []
-    if "per_prompt" in data and all("key" in row for row in data.get("rows", [])):  # compare
+    if "per_prompt" in data and data.get("rows") and all("key" in row for row in data["rows"]):  # compare
         pictures.append(speedup_by_category(data, Path(f"{stem}-speedup.png")))
         pictures.append(acceptance_by_position(data, Path(f"{stem}-acceptance.png")))
     if "sections" in data:
@@ -51,6 +52,8 @@ def draw(json_path) -> list[Path]:
         pictures.append(serve_latency(data, Path(f"{stem}-latency.png")))
     if data.get("rows") and "launches_per_step" in data["rows"][0]:
         pictures.append(host_work(data, Path(f"{stem}-launches.png")))
+    if "policies" in data:
+        pictures.append(draft_policies(data, Path(f"{stem}-policies.png")))
     return [p for p in pictures if p]
 
 
@@ -82,14 +85,22 @@ def speedups(data: dict) -> dict[str, dict[str, float]]:
 
 
 def speedup_by_category(data: dict, png: Path) -> Path | None:
-    import matplotlib.pyplot as plt
     labels = method_labels(data)
     if "hf" not in labels:
         print(f"{png.name}: no transformers generate baseline in the run, no speedup picture", file=sys.stderr)
         return None
-    table = speedups(data)
     keys = [k for k in labels if k != "hf"]
-    groups = list(table)
+    names = {k: labels[k].replace("csd_engine ", "").replace("transformers ", "HF ") for k in keys}
+    return grouped_bars(speedups(data), names, "speedup over transformers generate (1.0 = dashed line)",
+                        title(data, "speedup per method and prompt category"), png)
+
+
+def grouped_bars(table: dict[str, dict[str, float]], names: dict[str, str], ylabel: str, heading: str,
+                 png: Path) -> Path:
+    """One group of bars per key of `names` (its label), one bar per group of `table` (category ->
+    key -> value); the group "all prompts" in black; a dashed line at 1."""
+    import matplotlib.pyplot as plt
+    keys, groups = list(names), list(table)
     width = 0.8 / len(groups)
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(keys) + 2), 5.5))
@@ -101,10 +112,9 @@ def speedup_by_category(data: dict, png: Path) -> Path | None:
                alpha=1.0 if overall else 0.85)
     ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(keys)))
-    ax.set_xticklabels([wrap(labels[k].replace("csd_engine ", "").replace("transformers ", "HF "), 18) for k in keys],
-                       fontsize=8)
-    ax.set_ylabel("speedup over transformers generate (1.0 = dashed line)")
-    ax.set_title(title(data, "speedup per method and prompt category"), fontsize=10)
+    ax.set_xticklabels([wrap(names[k], 18) for k in keys], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(heading, fontsize=10)
     ax.legend(ncols=min(len(groups), 4), fontsize=8, loc="upper left")
     ax.set_ylim(0, max(max(v or 0 for v in row.values()) for row in table.values()) * 1.25)
     return save(fig, png)
@@ -128,6 +138,16 @@ def acceptance_by_position(data: dict, png: Path) -> Path | None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return save(fig, png)
+
+
+# -- draft policy ---------------------------------------------------------------------------------
+def draft_policies(data: dict, png: Path) -> Path:
+    costs = data["costs"]
+    table = {c: {p: cell["tokens_per_cost"] for p, cell in cells.items()} for c, cells in data["per_category"].items()}
+    table["all prompts"] = {p: cell["tokens_per_cost"] for p, cell in data["overall"].items()}
+    return grouped_bars(table, {p: p for p in data["policies"]}, "tokens per cost (x plain decoding)",
+                        title(data, f"draft policies replayed on recorded acceptance (drafter {costs['drafter']:.2f}, "
+                                    f"step {costs['step']:.2f} of a target forward)"), png)
 
 
 # -- gpu ------------------------------------------------------------------------------------------

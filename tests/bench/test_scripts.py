@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve", "host_work")
+SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve", "host_work", "draft_policy")
 
 
 def cpu_env() -> dict:
@@ -106,6 +106,16 @@ def test_serve_dry_run(tmp_path, models):
             assert row["acceptance"] is None
         else:
             assert 0 <= row["acceptance"] <= 1
+
+
+def test_draft_policy_dry_run(tmp_path):
+    run("bench/draft_policy.py", "--dry-run", "--out", str(tmp_path))
+    record = only_json(tmp_path, "draft-policy")
+    assert list(record["overall"]) == record["policies"] and len(record["per_prompt"]) == 7
+    for policy, cell in record["overall"].items():
+        assert cell["tokens_per_cost"] > 0 and cell["tokens_per_forward"] >= 1, policy
+    assert record["costs"]["drafter"] > 0 and record["costs"]["widths"][0] == [1, 1.0]
+    assert list(tmp_path.glob("draft-policy-*-policies.png"))
 
 
 def test_host_work_dry_run(tmp_path):
