@@ -212,12 +212,10 @@ def label(key: str, name: str, own) -> str:
 
 def parse_args(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, rounds=2)
+                        max_new_tokens=128, rounds=2, categories=None, per_category=None)
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated keys of METHODS, each optionally with its own settings "
                          "(KEY:K=[[3,4],[0,4]]:l=3, module docstring; default every key)")
-    ap.add_argument("--categories", default=None, help="comma-separated prompt categories (default all)")
-    ap.add_argument("--per-category", type=int, default=None, help="at most this many prompts of each category")
     ap.add_argument("--prompts", type=int, default=None,
                     help="at most this many prompts in all, taken round-robin over the categories")
     ap.add_argument("--k", type=int, default=4, help="draft length of Speculative and Pearl with the 0.5B drafter")

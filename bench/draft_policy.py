@@ -3,6 +3,7 @@
     python bench/draft_policy.py                                # Qwen 1.5B <- 0.5B int4 + MaG, every bench prompt
     python bench/draft_policy.py --per-category 1 --max-new-tokens 64
     python bench/draft_policy.py --dry-run                      # tiny random models, seconds
+    python bench/draft_policy.py --replay RUN.json --drafter-cost 0.06   # re-price a run's traces, no models
 
 Greedy speculative decoding emits the target's greedy continuation whatever is drafted, so one
 pass records all that a policy needs. Per prompt: that continuation (csd_engine's
@@ -23,10 +24,12 @@ The oracle rows know, each step, what the target will accept and draft the lengt
 the most tokens per cost: the gap to them is about what better length choices could win with
 these drafters; what lies beyond needs better or cheaper drafters.
 """
+import dataclasses
+import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python bench/draft_policy.py`: make `bench` importable
@@ -99,7 +102,8 @@ class Fixed:
 @dataclass
 class SpeculativeAutoRule:
     """Speculative.auto()'s choice, by csd_engine's own functions: the length <= max_tokens that
-    maximises expected tokens per cost at the row's counted rate (prior `prior` drafts at `prior_rate`)."""
+    maximises expected tokens per cost at the row's counted rate (prior `prior` drafts at
+    `prior_rate`), with the cost model's drafter cost (the engine's is budget.cost_ratio's)."""
     max_tokens: int = 6
     prior: float = 4.0
     prior_rate: float = 0.8
@@ -243,16 +247,16 @@ def time_costs(target, drafter, ids: list[int], repeats: int) -> tuple[list[tupl
 
 def parse_args(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, repeats=5)
+                        max_new_tokens=128, repeats=5, categories=None, per_category=None)
     ap.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
                     help="the drafter's weights (default int4, the README's main command)")
-    ap.add_argument("--categories", default=None, help="comma-separated prompt categories (default all)")
-    ap.add_argument("--per-category", type=int, default=None, help="at most this many prompts of each category")
     ap.add_argument("--drafter-cost", type=float, default=None,
                     help="the drafter's one-token forward, x the target's (default: timed)")
     ap.add_argument("--width-cost", type=float, default=None,
                     help="one more token's cost in a target forward (default: the timed curve)")
     ap.add_argument("--step-cost", type=float, default=0.07, help="a speculative step's own work, x a target forward")
+    ap.add_argument("--replay", default=None, metavar="JSON",
+                    help="replay the traces a run of this script recorded (its timed costs unless given): no models")
     args = ap.parse_args(argv)
     for name in ("drafter_cost", "width_cost", "step_cost"):
         value = getattr(args, name)
@@ -269,6 +273,33 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     harness.start(args)
+    if args.replay:
+        recorded = json.loads(Path(args.replay).read_text())
+        traces = [Trace(**trace) for trace in recorded["traces"]]
+        widths, drafter_cost = [tuple(w) for w in recorded["costs"]["widths"]], recorded["costs"]["drafter"]
+    else:
+        traces, widths, drafter_cost = record_all(args)
+    if args.width_cost is not None:
+        widths = [(1, 1.0), (2, 1.0 + args.width_cost)]
+    costs = Costs(widths, drafter_cost if args.drafter_cost is None else args.drafter_cost, args.step_cost)
+    summary = summarize(traces, costs)
+    path = harness.record_path(f"draft-policy-{Path(args.target).name}-{args.dtype}-{args.quantize}", args)
+    harness.write_record(path, {"costs": {"widths": costs.widths, "drafter": costs.drafter, "step": costs.step},
+                                "policies": list(POLICIES), **summary,
+                                "traces": [dataclasses.asdict(trace) for trace in traces]}, args)
+    print(f"\ncosts (x a one-token target forward): drafter {costs.drafter:.3f}, step {costs.step:.3f}, widths "
+          + ", ".join(f"{n}: {w:.2f}" for n, w in costs.widths))
+    categories = list(summary["per_category"])
+    print_table([{"policy": name, **{c: summary["per_category"][c][name]["tokens_per_cost"] for c in categories},
+                  "all": summary["overall"][name]["tokens_per_cost"],
+                  "accepted": summary["overall"][name]["tokens_per_forward"]} for name in POLICIES],
+                [("policy", "policy (tokens per cost, x plain decoding)", "")]
+                + [(c, c, ".2f") for c in categories] + [("all", "all", ".2f"), ("accepted", "tokens/forward", ".2f")])
+    harness.finish(path, args)
+
+
+def record_all(args) -> tuple[list[Trace], list[tuple[int, float]], float]:
+    """Every prompt's trace, and the timed width curve and drafter cost."""
     prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category))
     tokenizer, target, drafter_model = harness.load_pair(args)
     dtype, device = harness.DTYPES[args.dtype], torch.device("cpu")
@@ -285,30 +316,14 @@ def main(argv=None):
     forcer, timer = drafter_runner(), LlamaRunner(target, device, dtype)
     harness.progress(f"timing forwards after the first prompt's {len(encoded[0])} tokens")
     widths, drafter_cost = time_costs(timer, forcer, encoded[0], args.repeats)
-    if args.width_cost is not None:
-        widths = [(1, 1.0), (2, 1.0 + args.width_cost)]
-    costs = Costs(widths, drafter_cost if args.drafter_cost is None else args.drafter_cost, args.step_cost)
     forcer.allocate(1, capacity)
-
     traces, progress = [], harness.Progress(len(prompts))
     for prompt, ids in zip(prompts, encoded):
         traces.append(record(engine, forcer, ids, args.max_new_tokens, prompt["category"]))
         trace = traces[-1]
         progress.step(f"[{prompt['category']}] drafter agrees on {sum(r > 0 for r in trace.runs[1:])} of "
                       f"{trace.tokens - 1} positions, MaG proposes at {sum(x > 0 for x in trace.mag_length)}")
-    summary = summarize(traces, costs)
-    path = harness.record_path(f"draft-policy-{Path(args.target).name}-{args.dtype}-{args.quantize}", args)
-    harness.write_record(path, {"costs": {"widths": costs.widths, "drafter": costs.drafter, "step": costs.step},
-                                "policies": list(POLICIES), **summary}, args)
-    print(f"\ncosts (x a one-token target forward): drafter {costs.drafter:.3f}, step {costs.step:.3f}, widths "
-          + ", ".join(f"{n}: {w:.2f}" for n, w in costs.widths))
-    categories = list(summary["per_category"])
-    print_table([{"policy": name, **{c: summary["per_category"][c][name]["tokens_per_cost"] for c in categories},
-                  "all": summary["overall"][name]["tokens_per_cost"],
-                  "accepted": summary["overall"][name]["tokens_per_forward"]} for name in POLICIES],
-                [("policy", "policy (tokens per cost, x plain decoding)", "")]
-                + [(c, c, ".2f") for c in categories] + [("all", "all", ".2f"), ("accepted", "tokens/forward", ".2f")])
-    harness.finish(path, args)
+    return traces, widths, drafter_cost
 
 
 def summarize(traces: list[Trace], costs: Costs) -> dict:

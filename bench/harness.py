@@ -39,6 +39,8 @@ OPTIONS = {
     "max_new_tokens": ("tokens generated per prompt (end of sequence ignored)", int),
     "repeats": ("timed runs per measurement after one warm-up; tables show the median and min-max", int),
     "rounds": ("rounds over all prompts and methods; the median time per prompt is kept", int),
+    "categories": ("comma-separated prompt categories of bench/prompts.json; all when not given", str),
+    "per_category": ("at most this many prompts of each category; all when not given", int),
 }
 
 

@@ -116,6 +116,13 @@ def test_draft_policy_dry_run(tmp_path):
         assert cell["tokens_per_cost"] > 0 and cell["tokens_per_forward"] >= 1, policy
     assert record["costs"]["drafter"] > 0 and record["costs"]["widths"][0] == [1, 1.0]
     assert list(tmp_path.glob("draft-policy-*-policies.png"))
+    [recorded] = tmp_path.glob("draft-policy-*.json")
+    run("bench/draft_policy.py", "--dry-run", "--replay", str(recorded), "--drafter-cost", "5", "--no-plot",
+        "--out", str(tmp_path / "replayed"))
+    replayed = only_json(tmp_path / "replayed", "draft-policy")
+    assert replayed["traces"] == record["traces"] and replayed["costs"]["widths"] == record["costs"]["widths"]
+    assert replayed["costs"]["drafter"] == 5.0  # a drafter dearer than the target: drafting cannot pay
+    assert replayed["overall"]["chain k=4"]["tokens_per_cost"] < min(1.0, record["overall"]["chain k=4"]["tokens_per_cost"])
 
 
 def test_host_work_dry_run(tmp_path):
