@@ -17,7 +17,8 @@ Each policy of POLICIES is then replayed step by step and priced in target forwa
 where plain decoding costs 1 a token. width(n) (a forward of n tokens over a one-token one) and
 the drafter's one-token forward are timed here at the first prompt's context unless given; the
 step overhead (verification, MaG and the host's work of a speculative step) is given, 0.07 by
-default (`bench/compare.py --profile` on the AVX-512 CPU: 9 ms of a 128 ms target forward).
+default (`bench/compare.py --profile` on the AVX-512 CPU: verification, MaG and the rest took
+about 10 ms of a cascade step beyond plain decoding's, against a 128 ms target forward).
 The tables show tokens per cost: the speedup over plain decoding a policy would reach if the
 cost model held (prefill and the rest are not in it: bench/compare.py measures real speed).
 The oracle rows know, each step, what the target will accept and draft the length that gives

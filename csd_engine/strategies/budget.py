@@ -42,8 +42,9 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
     the platform's: KERNEL_WIDTH_COSTS (interpolated, extended at its last slope) where csd_engine's
-    bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (AVX-512: 17 tokens cost 1.18x one;
-    a GPU's forward is flat far wider)."""
+    bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (the AVX-512 EPYC, bench/draft_policy.py's
+    timing since one-token forwards got faster: 9 / 17 tokens 1.15-1.18 / 1.35-1.44x one, the line
+    1.16 / 1.32; a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
     if width_cost is None and on_bf16_kernel(models):
         x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*KERNEL_WIDTH_COSTS))
