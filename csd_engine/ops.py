@@ -4,6 +4,9 @@ build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/
 dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on CPUs without
 native bf16 arithmetic (csrc/bf16_linear.cpp); int8_linear(x, q, scale, bias) -> the same for an
 int8 weight with a scale per output row, where int8_kernel_runs (elsewhere the caller uses torch's op).
+add_rmsnorm, rope_and_cache, decode_attention, silu_mul: the native runner's work between its
+matmuls on the CPU (csrc/decode_cpu.cpp), where cpu_layer_ops_run(); their references are
+kernels/rmsnorm.py's, kernels/rope.py's, models/llama.py's one_query_attention and F.silu(gate) * up.
 
 The extension is optional: without it (or without a kernel for the input's device) every op runs
 its reference, after one warning.
@@ -40,6 +43,8 @@ def _devices_with_kernel(op_name: str) -> frozenset[str]:
 _TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
 _BF16_LINEAR_DEVICES = _devices_with_kernel("csd_engine::bf16_linear")
 _INT8_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int8_linear")
+_CPU_LAYER_OPS = ("add_rmsnorm", "rope_and_cache", "decode_attention", "silu_mul")
+_HAS_CPU_LAYER_OPS = all("cpu" in _devices_with_kernel(f"csd_engine::{name}") for name in _CPU_LAYER_OPS)
 
 
 @functools.cache
@@ -205,3 +210,56 @@ if "cpu" in _BF16_LINEAR_DEVICES:
     @torch.library.register_fake("csd_engine::bf16_linear")
     def _bf16_linear_fake(x, weight, bias=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_layer_ops_run() -> bool:
+    """Whether the extension has the CPU layer ops below (the native runner's CPU default)."""
+    return _HAS_CPU_LAYER_OPS
+
+
+def add_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None):
+    """kernels/rmsnorm.py's add_rmsnorm on the CPU: (weight * norm(h + delta), h + delta), h itself
+    as the second output without delta. One op instead of about nine."""
+    out, summed = torch.ops.csd_engine.add_rmsnorm(h, weight, eps, delta)
+    return out, h if delta is None else summed
+
+
+def rope_and_cache(qkv, positions, inv_freq, scaling: float, k_cache, v_cache, lengths,
+                   q_heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """kernels/rope.py's rope_and_cache on the CPU (any even head_dim): writes the rotated k and
+    v at slots lengths[b] + j and returns the rotated q [B, n, Hq, D]."""
+    return torch.ops.csd_engine.rope_and_cache(qkv, positions, inv_freq, scaling, k_cache, v_cache, lengths,
+                                               q_heads, kv_heads, head_dim)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per row, q [B, 1, Hq, D], over cache slots 0..lengths[b] (its
+    committed prefix and itself) of k_cache / v_cache [B, Hkv, S, D], in fp32; returns q's shape
+    and dtype (zeros for a padded row, length -1). No mask to build: the lengths say what each
+    row sees."""
+    return torch.ops.csd_engine.decode_attention(q, k_cache, v_cache, lengths)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for gate_up = [gate | up] along the last dimension, with its roundings."""
+    return torch.ops.csd_engine.silu_mul(gate_up)
+
+
+if _HAS_CPU_LAYER_OPS:
+    @torch.library.register_fake("csd_engine::add_rmsnorm")
+    def _add_rmsnorm_fake(h, weight, eps, delta=None):
+        return torch.empty_like(h), h.new_empty(h.shape if delta is not None else (0,))
+
+    @torch.library.register_fake("csd_engine::rope_and_cache")
+    def _rope_and_cache_fake(qkv, positions, inv_freq, scaling, k_cache, v_cache, lengths, q_heads, kv_heads,
+                             head_dim):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
+
+    @torch.library.register_fake("csd_engine::decode_attention")
+    def _decode_attention_fake(q, k_cache, v_cache, lengths):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("csd_engine::silu_mul")
+    def _silu_mul_fake(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

@@ -55,11 +55,17 @@ class EmulatedGraph:
                 if view:
                     continue  # the recorded view still aliases its (replayed) base
                 result = func(*args, **kwargs)
-                if _writes(func):
-                    continue  # it wrote into its recorded arguments again
-                for recorded, fresh in zip(tree_leaves(out), tree_leaves(result)):
-                    if isinstance(recorded, torch.Tensor):
-                        recorded.copy_(fresh)
+                # what it wrote into its recorded arguments is written again; fresh results
+                # (every return of an op that writes nothing, the rest of one that does, such
+                # as csd_engine::rope_and_cache's q) go where the capture's results went
+                fresh_returns = [r.alias_info is None for r in func._schema.returns] if _writes(func) else None
+                outs, results = (out, result) if isinstance(out, (tuple, list)) else ((out,), (result,))
+                for i, (recorded, fresh) in enumerate(zip(outs, results)):
+                    if fresh_returns is not None and not fresh_returns[i]:
+                        continue
+                    for r, f in zip(tree_leaves(recorded), tree_leaves(fresh)):
+                        if isinstance(r, torch.Tensor):
+                            r.copy_(f)
 
 
 class EmulatedCapture:

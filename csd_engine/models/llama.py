@@ -4,12 +4,13 @@ Weights are taken from a loaded `transformers` model (so folders, hub ids and GG
 load the same way) and re-packed: q/k/v fused into one matmul, gate/up into another.
 Numerics follow transformers: RMSNorm in fp32, RoPE tables computed in fp32 then cast.
 
-Two paths with the same roundings: plain PyTorch ops (the CPU default), and `fused=True` (the
-CUDA default): Triton kernels that fuse the residual add with each RMSNorm (kernels/rmsnorm.py)
-and RoPE with the KV-cache write (kernels/rope.py), taking a layer from ~40 launches to ~12. On
-an H100 (bench/gpu.py forward_profile, README) a graphed Llama-2-7B decoding forward takes
-6.0 ms fused against 7.8 ms plain; the fused path is tested against the PyTorch one there and
-in Triton's interpreter.
+Two paths with the same roundings: plain PyTorch ops, and `fused=True` (the default): the
+residual add fused with each RMSNorm and RoPE with the KV-cache write, taking a layer from ~40
+launches to ~12. On CUDA these are Triton kernels (kernels/rmsnorm.py, kernels/rope.py): on an
+H100 (bench/gpu.py forward_profile, README) a graphed Llama-2-7B decoding forward takes 6.0 ms
+fused against 7.8 ms plain. On the CPU they are the extension's C++ ops (csrc/decode_cpu.cpp),
+with the activation and one-token attention as well: a layer is its matmuls and five other ops.
+The fused path is tested against the PyTorch one on both.
 
 `quantize="int8" | "int4" | "int4gG"` (models/quant.py) stores the qkv, o, gate_up and down
 projections and the lm_head as weight-only quantized matrices on torch's packed-weight matmuls;
@@ -29,6 +30,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from csd_engine import ops
 from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
@@ -61,6 +63,12 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return torch.matmul(weights, v.float()).view(b, 1, hq, d).to(q.dtype)
 
 
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of the fused [gate | up] projection: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class LlamaRunner(Runner):
     def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa",
                  fused: bool | None = None, quantize: str | None = None, dense_rows: int = 0):
@@ -85,9 +93,13 @@ class LlamaRunner(Runner):
         self.attention_backend = attention_backend
         self.row_block = 0  # > 0: batch-invariant matmuls (make_batch_invariant)
         head_dim_ok = self.head_dim >= 2 and self.head_dim & (self.head_dim - 1) == 0
-        # None: fused on CUDA (an H100 step 7.8 -> 6.0 ms, README); on a CPU Triton needs its interpreter
-        self.fused = (self.device.type == "cuda" and head_dim_ok) if fused is None else bool(fused)
-        if self.fused and not head_dim_ok:
+        # The fused path runs the extension's C++ ops on a CPU that has them, else Triton's kernels
+        # (on a CPU only under TRITON_INTERPRET=1, as the kernel tests run them).
+        cpu_ops = self.device.type == "cpu" and ops.cpu_layer_ops_run()
+        # None: fused on CUDA (an H100 step 7.8 -> 6.0 ms, README) and with the C++ ops on a CPU
+        self.fused = ((self.device.type == "cuda" and head_dim_ok) or cpu_ops) if fused is None else bool(fused)
+        self.cpu_layer_ops = self.fused and cpu_ops
+        if self.fused and not (head_dim_ok or self.cpu_layer_ops):
             raise ValueError(f"fused=True needs a power-of-two head_dim, this model has {self.head_dim}")
         self.num_params = sum(p.numel() for p in hf_model.parameters())
         self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in hf_model.model.layers]
@@ -196,6 +208,10 @@ class LlamaRunner(Runner):
     def _rmsnorm(self, x, weight):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
 
+    def _one_query_on_cpu(self, n: int) -> bool:
+        """One new token per row on the CPU, outside batch-invariant mode: attention without SDPA."""
+        return n == 1 and self.device.type == "cpu" and not self.row_block
+
     def _attention(self, layer, q, lengths, batch: ForwardBatch, mask):
         k_all, v_all = self.cache.k[layer], self.cache.v[layer]
         if self.attention_backend == "triton":
@@ -203,9 +219,11 @@ class LlamaRunner(Runner):
             splits = max(1, k_all.shape[2] // INVARIANT_SPLIT) if self.row_block else None
             block_rows = INVARIANT_BLOCK_ROWS if self.row_block else None
             return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
+        if self._one_query_on_cpu(q.shape[1]) and self.cpu_layer_ops:
+            return ops.decode_attention(q, k_all, v_all, lengths)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
-        if q.shape[1] == 1 and q.device.type == "cpu" and not self.row_block:
+        if self._one_query_on_cpu(q.shape[1]):
             return one_query_attention(q, k, v, mask)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
@@ -222,7 +240,8 @@ class LlamaRunner(Runner):
             assert int(lengths.max()) + n <= batch.kv_bound <= cache.capacity, "kv_bound does not cover every row"
         if self.row_block:  # SDPA takes another path for short key ranges: keep them >= KV_ROUND long
             batch = dataclasses.replace(batch, kv_bound=min(cache.capacity, -(-batch.kv_bound // KV_ROUND) * KV_ROUND))
-        mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if self.attention_backend == "sdpa" else None
+        needs_mask = self.attention_backend == "sdpa" and not (self.cpu_layer_ops and self._one_query_on_cpu(n))
+        mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if needs_mask else None
         h = F.embedding(ids, self.embed)
         layers = self._fused_layers if self.fused else self._layers
         h = layers(h, positions, lengths, batch, mask)
@@ -245,23 +264,24 @@ class LlamaRunner(Runner):
             attn = self._attention(i, q, lengths, batch, mask)
             h = h + self._linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"])
             x = self._rmsnorm(h, w["mlp_norm"])
-            gate, up = self._linear(x, w["gate_up"]).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, w["down"])
+            h = h + self._linear(silu_mul_ref(self._linear(x, w["gate_up"])), w["down"])
         return self._rmsnorm(h, self.final_norm)
 
     def _fused_layers(self, h, positions, lengths, batch: ForwardBatch, mask):
         """The same computation with each residual add fused into the next RMSNorm and RoPE fused
-        with the cache write; returns the final-normed hidden states."""
+        with the cache write (C++ ops on the CPU, Triton kernels elsewhere); returns the
+        final-normed hidden states."""
         b, n = positions.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x, _ = add_rmsnorm(h, self.layers[0]["attn_norm"], self.eps)
+        norm, rope, act = (ops.add_rmsnorm, ops.rope_and_cache, ops.silu_mul) if self.cpu_layer_ops else \
+            (add_rmsnorm, rope_and_cache, silu_mul_ref)
+        x, _ = norm(h, self.layers[0]["attn_norm"], self.eps)
         for i, w in enumerate(self.layers):
             qkv = self._linear(x, w["qkv"], w["qkv_bias"])
-            q = rope_and_cache(qkv, positions, self.inv_freq, self.rope_scaling, self.cache.k[i], self.cache.v[i],
-                               lengths, hq, hkv, d)
+            q = rope(qkv, positions, self.inv_freq, self.rope_scaling, self.cache.k[i], self.cache.v[i],
+                     lengths, hq, hkv, d)
             attn = self._attention(i, q, lengths, batch, mask)
-            x, h = add_rmsnorm(h, w["mlp_norm"], self.eps, delta=self._linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
-            gate, up = self._linear(x, w["gate_up"]).chunk(2, dim=-1)
+            x, h = norm(h, w["mlp_norm"], self.eps, delta=self._linear(attn.reshape(b, n, hq * d), w["o"], w["o_bias"]))
             following = self.layers[i + 1]["attn_norm"] if i + 1 < self.num_layers else self.final_norm
-            x, h = add_rmsnorm(h, following, self.eps, delta=self._linear(F.silu(gate) * up, w["down"]))
+            x, h = norm(h, following, self.eps, delta=self._linear(act(self._linear(x, w["gate_up"])), w["down"]))
         return x

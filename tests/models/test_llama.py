@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from csd_engine import ops
 from csd_engine.kernels.mask import attention_mask
 from csd_engine.models.loader import load_runner
 from csd_engine.models.llama import LlamaRunner, one_query_attention
@@ -105,14 +106,16 @@ def test_tree_mask_forward_equals_each_path_as_a_chain():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_give_the_plain_path_logits(dtype):
-    """fused=True (the CUDA default: Triton add+RMSNorm, RoPE+cache write) against the PyTorch
-    path, through prefill, ragged decode and verify-sized chunks; the caches must agree too."""
+    """fused=True (the default: Triton add+RMSNorm and RoPE+cache write on CUDA; on the CPU the
+    extension's C++ ops, with the activation and one-token attention) against the PyTorch path,
+    through prefill, one-token steps and verify-sized chunks; the caches must agree too."""
     model = tiny_qwen2(seed=11)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain = LlamaRunner(model, device, dtype, fused=False)
     fused = LlamaRunner(model, device, dtype, fused=True)
+    assert fused.cpu_layer_ops == (device == "cpu" and ops.cpu_layer_ops_run())
     ids = torch.randint(0, VOCAB, (3, 17), device=device)
-    ours, ref = (_native_logits_in_steps(r, ids, splits=[5, 6, 11]) for r in (fused, plain))
+    ours, ref = (_native_logits_in_steps(r, ids, splits=[5, 6, 7, 8, 11]) for r in (fused, plain))
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(ours, ref, **tol)
     torch.testing.assert_close(fused.cache.k, plain.cache.k, **tol)

@@ -1,0 +1,190 @@
+"""csd_engine's CPU layer ops (csrc/decode_cpu.cpp: ops.add_rmsnorm, rope_and_cache,
+decode_attention, silu_mul) against their PyTorch references: the same roundings (one unit of
+the last place where only an fp32 sum's order differs), rows computed alone, nothing outside a
+row's visible slots read or written, every compiled instruction set, clear errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from csd_engine import ops
+from csd_engine.kernels.mask import attention_mask
+from csd_engine.kernels.rmsnorm import add_rmsnorm_ref
+from csd_engine.kernels.rope import rope_and_cache_ref
+from csd_engine.models.llama import one_query_attention, silu_mul_ref
+from tests.stats import fresh_seed
+
+pytestmark = pytest.mark.skipif(not ops.cpu_layer_ops_run(), reason="csd_engine._C has no CPU layer ops")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The spacing of `dtype` (default x's) at |x| (normal range), in float64."""
+    info = torch.finfo(dtype or x.dtype)
+    mag = x.double().abs().clamp(min=info.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
+
+
+def assert_within_ulps(ours, ref, ulps=1, context=""):
+    err = (ours.double() - ref.double()).abs()
+    bound = ulps * torch.maximum(ulp(ours), ulp(ref))
+    assert (err <= bound).all(), f"{context}: worst {(err - bound).max().item():.3g} over {ulps} ulp"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 896), (3, 2, 37), (4, 1536)])
+def test_add_rmsnorm_is_the_reference(dtype, shape):
+    g = torch.Generator().manual_seed(fresh_seed())
+    h, delta = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    out, summed = ops.add_rmsnorm(h, weight, 1e-6, delta)
+    ref, ref_sum = add_rmsnorm_ref(h, weight, 1e-6, delta)
+    assert torch.equal(summed, ref_sum)  # one rounding of an exact sum
+    # only the order of the fp32 sum of squares differs: at most one rounding flips
+    assert_within_ulps(out, ref, ulps=2 if dtype != torch.float32 else 4, context="with delta")
+    out, same = ops.add_rmsnorm(h, weight, 1e-6)
+    assert same is h
+    assert_within_ulps(out, add_rmsnorm_ref(h, weight, 1e-6)[0], ulps=2 if dtype != torch.float32 else 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 6), (14, 2, 64), (12, 2, 128)])
+def test_rope_and_cache_is_the_reference(dtype, heads, kv_heads, dim):
+    """Ragged rows, several tokens per row and a negative length (wraps to the row's end, as the
+    graph runner's padded rows do); every other cache slot is left as it was."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    b, n, capacity = 3, 3, 40
+    qkv = torch.randn(b, n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    lengths = torch.tensor([0, 17, -2])  # the last row writes slots S - 2, S - 1 and 0
+    positions = torch.tensor([[0, 1, 2], [17, 18, 19], [900, 901, 902]])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    caches = [torch.randn(b, kv_heads, capacity, dim, generator=g).to(dtype) for _ in range(2)]
+    ours_k, ours_v, ref_k, ref_v = (c.clone() for c in caches + caches)
+    q = ops.rope_and_cache(qkv, positions, inv_freq, 1.25, ours_k, ours_v, lengths, heads, kv_heads, dim)
+    ref_q = rope_and_cache_ref(qkv, positions, inv_freq, 1.25, ref_k, ref_v, lengths, heads, kv_heads, dim)
+    # cos / sin come from another fp32 libm, so a rounding of them may flip: the difference is
+    # within a few units of the terms' magnitude (the result may cancel), and rare
+    terms = qkv.double().abs().amax() * 1.25
+    for ours, ref, name in ((q, ref_q, "q"), (ours_k, ref_k, "k cache")):
+        err = (ours.double() - ref.double()).abs().max().item()
+        assert err <= 4 * ulp(terms, dtype).item(), f"{name}: {err:.3g}"
+        if dtype != torch.float32:  # fp32 keeps the libm's and the compiler's last bits
+            assert (ours == ref).double().mean() > 0.98, f"{name}: {(ours != ref).double().mean():.3f} differ"
+    assert torch.equal(ours_v, ref_v)
+
+
+def _attention_case(g, dtype, b, heads, kv_heads, dim, lengths, capacity=320):
+    q = torch.randn(b, 1, heads, dim, generator=g).to(dtype)
+    # a layer's view of a [layers, rows, kv_heads, S, D] cache: rows are not adjacent in memory
+    k, v = (torch.randn(2, b + 1, kv_heads, capacity, dim, generator=g).to(dtype)[1, :b] for _ in range(2))
+    return q, k, v, torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (14, 2, 64), (12, 2, 128), (6, 3, 80)])
+def test_decode_attention_is_one_query_attention(dtype, heads, kv_heads, dim):
+    """Against one_query_attention (SDPA's math in fp32) over slots 0..lengths[b]; slots after a
+    row's new token hold NaN and must not be read."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    q, k, v, lengths = _attention_case(g, dtype, 4, heads, kv_heads, dim, [0, 5, 47, 300])
+    for row, length in enumerate(lengths.tolist()):
+        k[row, :, length + 1:] = float("nan")
+        v[row, :, length + 1:] = float("nan")
+    ours = ops.decode_attention(q, k, v, lengths)
+    mask = attention_mask(lengths, 1, k.shape[2], None)
+    ref = one_query_attention(q.double(), k.double().nan_to_num(), v.double().nan_to_num(), mask)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    # fp32 sums of at most 301 terms of magnitude <= max|v|, then one rounding to the dtype
+    fp32_error = 320 * 2.0 ** -24 * v.double().nan_to_num().abs().amax()
+    err = (ours.double() - ref).abs()
+    bound = fp32_error + ulp(ref, dtype)
+    assert (err <= bound).all(), f"worst {(err - bound).max().item():.3g}"
+
+
+def test_decode_attention_rows_are_computed_alone():
+    """A row's output is the same alone or in a batch; a padded row (length -1) gets zeros."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    q, k, v, lengths = _attention_case(g, torch.bfloat16, 4, 14, 2, 64, [3, 200, 31, -1])
+    together = ops.decode_attention(q, k, v, lengths)
+    assert (together[3] == 0).all()
+    for row in range(3):
+        alone = ops.decode_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], lengths[row:row + 1])
+        assert torch.equal(alone, together[row:row + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_reference(dtype):
+    g = torch.Generator().manual_seed(fresh_seed())
+    gate_up = torch.randn(3, 2, 2 * 300, generator=g) * 6
+    gate_up[0, 0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 200.0, -200.0])
+    gate_up = gate_up.to(dtype)
+    ours, ref = ops.silu_mul(gate_up), silu_mul_ref(gate_up)
+    assert ours.shape == ref.shape == (3, 2, 300)
+    # an exp within 2 fp32 ulp and a division: in fp32 a few ulp, otherwise one rounding may flip
+    assert_within_ulps(ours, ref, ulps=8 if dtype == torch.float32 else 1)
+
+
+def test_bad_input_is_refused_clearly():
+    h = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight must be \[8\] in h's dtype"):
+        ops.add_rmsnorm(h, torch.randn(7), 1e-6)
+    with pytest.raises(TypeError, match="h must be float32, bfloat16 or float16, got Long"):
+        ops.add_rmsnorm(h.long(), torch.randn(8), 1e-6)
+    q = torch.randn(1, 1, 4, 8)
+    k = torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match="the new token's slot must lie in a cache of 16"):
+        ops.decode_attention(q, k, k.clone(), torch.tensor([16]))
+    with pytest.raises(ValueError, match=r"q must be \[B, 1, q_heads, head_dim\]"):
+        ops.decode_attention(q.expand(1, 2, 4, 8), k, k.clone(), torch.tensor([3]))
+    with pytest.raises(ValueError, match="must be a multiple of kv_heads"):
+        ops.decode_attention(torch.randn(1, 1, 3, 8), k, k.clone(), torch.tensor([3]))
+    qkv = torch.randn(1, 2, 8 * 8)
+    with pytest.raises(ValueError, match="writes slots -17..-16 of a cache of 16"):
+        ops.rope_and_cache(qkv, torch.zeros(1, 2, dtype=torch.long), torch.ones(4), 1.0, k, k.clone(),
+                           torch.tensor([-17]), 4, 2, 8)
+    with pytest.raises(ValueError, match="writes slots 15..16 of a cache of 16"):
+        ops.rope_and_cache(qkv, torch.zeros(1, 2, dtype=torch.long), torch.ones(4), 1.0, k, k.clone(),
+                           torch.tensor([15]), 4, 2, 8)
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        ops.silu_mul(torch.randn(2, 7))
+    # the ops (and the engine's runners) work as before after a refusal
+    assert ops.decode_attention(q, k, k.clone(), torch.tensor([3])).shape == q.shape
+
+
+ISA_CHECK = """
+import torch
+from tests.test_decode_ops import (test_add_rmsnorm_is_the_reference, test_decode_attention_is_one_query_attention,
+                                   test_rope_and_cache_is_the_reference, test_silu_mul_is_the_reference)
+for dtype in (torch.float32, torch.bfloat16):
+    test_add_rmsnorm_is_the_reference(dtype, (3, 2, 37))
+    for shape in ((14, 2, 64), (12, 2, 128), (6, 3, 80)):
+        test_decode_attention_is_one_query_attention(dtype, *shape)
+    test_rope_and_cache_is_the_reference(dtype, 14, 2, 64)
+    test_silu_mul_is_the_reference(dtype)
+print("ok")
+"""
+
+
+def _isas():
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isas = ["baseline"]
+    if " avx2" in flags and " fma" in flags:
+        isas.append("avx2")
+        if all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+            isas.append("avx512")
+    return isas
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_every_compiled_instruction_set_is_the_reference(isa):
+    """The ops are compiled once per instruction set and pick the best at run time; CSD_CPU_ISA
+    forces a lower one, so this machine checks the variants other CPUs run."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", ISA_CHECK], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "CSD_CPU_ISA": isa}, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
