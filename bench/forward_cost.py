@@ -17,7 +17,9 @@ after a `--context`-token prefix: median and min-max of `--repeats` calls after 
 calls are interleaved (each repeat sweeps every n and path once), so a machine's drift falls on
 every width alike instead of bending the curve. A new
 path (a quantized or early-exit drafter, say) is one more entry in PATHS; "native,
-batch-invariant" is the runner of Engine(batch_invariant=True), to price that mode. Prints a table and
+batch-invariant" is the runner of Engine(batch_invariant=True), to price that mode; "native,
+PyTorch ops" the runner without its fused ops (fused=False: on the CPU the C++ layer ops of
+csrc/decode_cpu.cpp, drafters too). Prints a table and
 writes bench/results/forward-cost-*.json.
 """
 import sys
@@ -37,10 +39,11 @@ from csd_engine.models.quant import drafter_dense_rows  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 
-def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int, batch_invariant: bool = False):
+def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int, batch_invariant: bool = False,
+           fused: bool | None = None):
     """csd_engine's native runner: static cache, rolled back to the prefix by a length update."""
     context = prefix.shape[1]
-    runner = LlamaRunner(model, "cpu", dtype)
+    runner = LlamaRunner(model, "cpu", dtype, fused=fused)
     if batch_invariant:
         runner.make_batch_invariant()
     runner.allocate(1, context + max_n + 8)
@@ -70,6 +73,7 @@ def transformers_dynamic(model, dtype: torch.dtype, prefix: torch.Tensor, max_n:
 PATHS = {
     "native": ("native", native),
     "invariant": ("native, batch-invariant", lambda *a: native(*a, batch_invariant=True)),
+    "plain": ("native, PyTorch ops", lambda *a: native(*a, fused=False)),  # no fused norm / RoPE / attention ops
     "hf": ("transformers", transformers_dynamic),
 }
 
@@ -137,18 +141,20 @@ def main(argv=None):
             harness.progress(f"loading drafter {spec} ({dtype_name})")
             # default: as the engine builds a drafter
             dense_rows = 0 if args.packed_only else drafter_dense_rows("cpu", harness.DTYPES[dtype_name])
-            runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True, dense_rows=dense_rows)
-            prefix = torch.randint(0, runner.vocab_size, (1, args.context))
-            runner.allocate(1, args.context + max(ns) + 8)
-            runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))
+            forwards = {}
+            for key in [k for k in ("native", "plain") if k in keys]:  # the other paths are the target's
+                runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True, dense_rows=dense_rows,
+                                        fused=None if key == "native" else False)
+                prefix = torch.randint(0, runner.vocab_size, (1, args.context))
+                runner.allocate(1, args.context + max(ns) + 8)
+                runner(ForwardBatch.chain(prefix, runner.cache.lengths, args.context, need_logits=False))
 
-            def forward(ids, runner=runner):
-                runner.cache.lengths.fill_(args.context)
-                return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + ids.shape[1]))
-
-            rows += timed_rows(dict(model=spec, dtype=dtype_name), {"native": forward}, runner.vocab_size, ns,
-                               args.repeats)
-            del runner, forward
+                def forward(ids, runner=runner):
+                    runner.cache.lengths.fill_(args.context)
+                    return runner(ForwardBatch.chain(ids, runner.cache.lengths, args.context + ids.shape[1]))
+                forwards[key] = forward
+            rows += timed_rows(dict(model=spec, dtype=dtype_name), forwards, runner.vocab_size, ns, args.repeats)
+            del runner, forward, forwards
     for row in rows:
         target = next(r for r in rows if r["dtype"] == row["dtype"])  # the first model's 1-token forward
         row["x_target"] = row["native_ms"] / target["native_ms"]

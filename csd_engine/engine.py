@@ -42,8 +42,8 @@ class Engine:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         if fused_kernels is not None and not isinstance(fused_kernels, bool):
-            raise TypeError(f"fused_kernels must be None (on a GPU where the model allows), True or False, "
-                            f"got {fused_kernels!r}")
+            raise TypeError(f"fused_kernels must be None (fused wherever the fused ops run: CUDA, or a CPU with "
+                            f"the extension), True or False, got {fused_kernels!r}")
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -145,10 +145,12 @@ if HAS_EXTENSION:
 
 @functools.cache
 def bf16_kernel_pays() -> bool:
-    """Whether dense_linear takes the extension's bf16 kernel on the CPU: on x86 CPUs without
-    native bf16 arithmetic (AVX2, no avx512_bf16 or AMX), where torch's bf16 matmul reads the
-    weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2 EPYC; the
-    kernel: 1.7x). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
+    """Whether dense_linear takes the extension's bf16 kernel on the CPU: on x86 CPUs with AVX2
+    and without AMX (not measured there). Without native bf16 arithmetic torch's bf16 matmul
+    reads the weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2
+    EPYC; the kernel: 1.7x); with avx512_bf16 its oneDNN path streams the weights at ~30 GB/s
+    where the kernel's AVX-512 tiles reach 35-50 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP
+    weights; README). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
     forced = os.environ.get("CSD_BF16_LINEAR")
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"CSD_BF16_LINEAR must be 1 (use csd_engine's bf16 CPU kernel) or 0 (torch's), got {forced!r}")
@@ -156,8 +158,14 @@ def bf16_kernel_pays() -> bool:
         return False
     if forced:
         return forced == "1"
-    return torch.cpu._is_avx2_supported() and not (torch.cpu._is_avx512_bf16_supported()
-                                                   or torch.cpu._is_amx_tile_supported())
+    return torch.cpu._is_avx2_supported() and not torch.cpu._is_amx_tile_supported()
+
+
+def kernel_without_native_bf16() -> bool:
+    """The kernel runs on a CPU without native bf16 arithmetic (AVX2, no avx512_bf16): where the
+    settings tuned on such a machine apply (the width curve, int8 drafters on the kernel, dense
+    copies from 2 rows), as opposed to a machine whose own bf16 matmul was only slower."""
+    return bf16_kernel_pays() and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,11 +194,11 @@ def bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def int8_kernel_runs(device, dtype: torch.dtype) -> bool:
     """Whether int8 weights for `dtype` activations on `device` take csd_engine's int8 kernel: bf16
-    on a CPU where the bf16 kernel runs (same tiles, half the weight bytes; torch's
+    on a CPU without native bf16 where the bf16 kernel runs (same tiles, half the weight bytes; torch's
     _weight_int8pack_mm there costs about the bf16 kernel's time for one row and grows with the
     rows). Its rows are batch-invariant too."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "cpu" in _INT8_LINEAR_DEVICES
-            and bf16_kernel_pays())
+            and kernel_without_native_bf16())
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -18,12 +18,18 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which its -O3 flags as
+// uninitialized (GCC bug 105593): not a fault in this file
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #define CSD_X86 1
 #endif
@@ -45,17 +51,20 @@ inline float bf16_to_float(uint16_t v) {
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
-// Per (m, n), every path computes: lane l accumulates w[k] x[m, k] for k = 8 j + l over whole
-// 8-lane chunks (fused multiply-add, in k order), the 8 lanes are summed as
+// Per (m, n), every path of one instruction set computes: lane l of L (8 with AVX2, 16 with
+// AVX-512) accumulates w[k] x[m, k] for k = L j + l over whole L-lane chunks (fused multiply-add,
+// in k order); with 16 lanes, lane l + 8 is added to lane l; the 8 lanes are summed as
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the k tail is added with FMAs.
-template <typename W>
+template <int L, typename W>
 void rows_scalar(const float* x, const W* w, int64_t K, int64_t m_count, int64_t x_stride, float* out,
                  int64_t out_stride) {
   for (int64_t m = 0; m < m_count; ++m) {
-    float lane[kLanes] = {};
+    float lane[L] = {};
     int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes)
-      for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(to_float(w[k + l]), x[m * x_stride + k + l], lane[l]);
+    for (; k + L <= K; k += L)
+      for (int l = 0; l < L; ++l) lane[l] = std::fma(to_float(w[k + l]), x[m * x_stride + k + l], lane[l]);
+    if (L == 16)
+      for (int l = 0; l < 8; ++l) lane[l] += lane[l + 8];
     float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
     for (; k < K; ++k) sum = std::fma(to_float(w[k]), x[m * x_stride + k], sum);
     out[m * out_stride] = sum;
@@ -125,10 +134,62 @@ constexpr TileFn<W> kTiles[kRowsPerTile + 1] = {nullptr,           tile_avx2<W, 
                                                 tile_avx2<W, 3, 3>, tile_avx2<W, 3, 4>, tile_avx2<W, 2, 5>,
                                                 tile_avx2<W, 2, 6>};
 
-bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+#define CSD_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+
+__attribute__((target(CSD_AVX512))) inline __m512 widen16(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+__attribute__((target(CSD_AVX512))) inline __m512 widen16(const int8_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
+
+// Lane l + 8 added to lane l, then reduce()'s order of the 8 (rows_scalar<16>).
+__attribute__((target(CSD_AVX512))) inline float reduce16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return reduce(_mm256_add_ps(lo, hi));
+}
+
+// tile_avx2 with 16 lanes: 32 registers hold up to 24 accumulators.
+template <typename W, int R, int M>
+__attribute__((target(CSD_AVX512))) void tile_avx512(const float* x, const W* w, int64_t K, int64_t x_stride,
+                                                     float* out, int64_t out_stride) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if ((k * sizeof(W)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+      wv[r] = widen16(w + r * K + k);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      __m512 xv = _mm512_loadu_ps(x + m * x_stride + k);
+      asm("" : "+v"(xv));  // one load per chunk of x (see tile_avx2)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float sum = reduce16(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) sum = std::fma(to_float(w[r * K + t]), x[m * x_stride + t], sum);
+      out[m * out_stride + r] = sum;
+    }
+}
+
+// 8 rows of W for 1 or 2 rows of x, 6 for 3 or 4, 4 for 5 or 6 (all divide kGroupRows).
+constexpr int kTileRowsOfW512[kRowsPerTile + 1] = {0, 8, 8, 6, 6, 4, 4};
+template <typename W>
+constexpr TileFn<W> kTiles512[kRowsPerTile + 1] = {nullptr,             tile_avx512<W, 8, 1>, tile_avx512<W, 8, 2>,
+                                                   tile_avx512<W, 6, 3>, tile_avx512<W, 6, 4>, tile_avx512<W, 4, 5>,
+                                                   tile_avx512<W, 4, 6>};
 #endif
 
 // [M, N] fp32 = x W^T for x [M, K] (any float dtype) and W [N, K] of element type W.
@@ -145,6 +206,7 @@ at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
   // Parallel over groups of kGroupRows W rows (a multiple of every tile's W rows); each task
   // sweeps every tile of x rows over its groups.
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  const Isa isa = cpu_isa();
   at::parallel_for(0, groups, 2, [&](int64_t lo, int64_t hi) {
     for (int64_t group = lo; group < hi; ++group) {
       const int64_t n0 = kGroupRows * group, n1 = std::min(n0 + kGroupRows, N);
@@ -155,11 +217,15 @@ at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
         m0 += rows;
         int64_t n = n0;
 #ifdef CSD_X86
-        if (has_avx2_fma()) {
+        if (isa == Isa::kAvx512) {
+          for (const int64_t r = kTileRowsOfW512[rows]; n + r <= n1; n += r)
+            kTiles512<W>[rows](xs, wp + n * K, K, K, out + n, N);
+          for (; n < n1; ++n) rows_scalar<16>(xs, wp + n * K, K, rows, K, out + n, N);
+        } else if (isa == Isa::kAvx2) {
           for (const int64_t r = kTileRowsOfW[rows]; n + r <= n1; n += r) kTiles<W>[rows](xs, wp + n * K, K, K, out + n, N);
         }
 #endif
-        for (; n < n1; ++n) rows_scalar(xs, wp + n * K, K, rows, K, out + n, N);
+        for (; n < n1; ++n) rows_scalar<kLanes>(xs, wp + n * K, K, rows, K, out + n, N);
       }
     }
   });

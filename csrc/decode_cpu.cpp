@@ -21,11 +21,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -73,37 +73,11 @@ namespace avx512 {
 #pragma GCC pop_options
 #endif
 
-enum class Isa { kBaseline, kAvx2, kAvx512 };
-
-// The best instruction set this CPU runs, or a lower one named by CSD_CPU_ISA ("baseline",
-// "avx2", "avx512"; for tests of every compiled variant on one machine). Decided at the first call.
-Isa isa() {
-  static const Isa chosen = [] {
-    Isa best = Isa::kBaseline;
-#ifdef CSD_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
-    if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      best = Isa::kAvx512;
-#endif
-    const char* forced = std::getenv("CSD_CPU_ISA");
-    if (forced == nullptr || *forced == '\0') return best;
-    const std::string name(forced);
-    const Isa wanted = name == "baseline" ? Isa::kBaseline : name == "avx2" ? Isa::kAvx2 : Isa::kAvx512;
-    TORCH_CHECK_VALUE((name == "baseline" || name == "avx2" || name == "avx512") && wanted <= best,
-                      "CSD_CPU_ISA must name an instruction set this CPU runs (baseline",
-                      best >= Isa::kAvx2 ? ", avx2" : "", best == Isa::kAvx512 ? ", avx512" : "", "), got '", name,
-                      "'");
-    return wanted;
-  }();
-  return chosen;
-}
-
 // Calls the same-named kernel of the instruction set this CPU runs best.
 #ifdef CSD_X86
 #define CSD_ISA_CALL(fn, ...)                          \
   do {                                                 \
-    switch (isa()) {                                   \
+    switch (cpu_isa()) {                                   \
       case Isa::kAvx512: avx512::fn(__VA_ARGS__); break; \
       case Isa::kAvx2: avx2::fn(__VA_ARGS__); break;     \
       default: baseline::fn(__VA_ARGS__);              \

@@ -63,6 +63,25 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_call(m, n, k, gen):
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_weight_row_gets_the_same_bits_from_a_tile_and_from_the_scalar_rest(int8, gen):
+    """Weight rows past the last whole group of 24 take the scalar loop, which must add in the
+    tiles' order: rows 24..28 computed as the rest of a 29-row weight and as a tile's rows."""
+    g, seed = gen
+    x = torch.randn(3, 70, generator=g).to(torch.bfloat16)
+    if int8:
+        if "cpu" not in ops._INT8_LINEAR_DEVICES:
+            pytest.skip("csd_engine._C has no int8_linear CPU kernel")
+        w = torch.randint(-127, 128, (48, 70), generator=g, dtype=torch.int8)
+        scale = torch.rand(48, generator=g).to(torch.bfloat16)
+        as_rest, in_tile = ops.int8_linear(x, w[:29], scale[:29]), ops.int8_linear(x, w[24:], scale[24:])
+    else:
+        w = torch.randn(48, 70, generator=g).to(torch.bfloat16)
+        as_rest, in_tile = (torch.ops.csd_engine.bf16_linear(x, part) for part in (w[:29], w[24:]))
+    assert torch.equal(as_rest[:, 24:], in_tile[:, :5]), f"seed {seed}"
+
+
+@needs_kernel
 def test_leading_dimensions_and_strided_input_are_kept(gen):
     g, _ = gen
     x, w, b = case(g, 12, 10, 48, bias=True)
@@ -197,18 +216,21 @@ def test_int8_bad_input_names_the_problem(gen):
     torch.library.opcheck(torch.ops.csd_engine.int8_linear, (x, q, s, b))
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("forced", ["1", "0"])
-def test_an_int8_layer_takes_the_kernel_where_it_runs_and_torchs_op_elsewhere(forced, monkeypatch, gen):
-    """QuantizedLinear (int8, bf16) on the kernel where the bf16 kernel runs, with no dense copy
-    (the kernel is as fast at every width); elsewhere torch's op. Both compute the same product."""
+def test_an_int8_layer_takes_the_kernel_where_it_runs_and_torchs_op_elsewhere(forced, native_bf16, monkeypatch, gen):
+    """QuantizedLinear (int8, bf16) on the kernel where the bf16 kernel runs on a CPU without
+    native bf16, with no dense copy (the kernel is as fast at every width); elsewhere torch's op.
+    Both compute the same product."""
     from csd_engine.models.quant import quantize_weight
     g, _ = gen
     w, x = torch.randn(24, 64, generator=g).to(torch.bfloat16), torch.randn(5, 64, generator=g).to(torch.bfloat16)
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     ops.bf16_kernel_pays.cache_clear()
     try:
         layer = quantize_weight(w, "int8", dense_rows=8)  # 5 rows: the packed op, not the dense copy
-        kernel = forced == "1" and "cpu" in ops._INT8_LINEAR_DEVICES
+        kernel = forced == "1" and not native_bf16 and "cpu" in ops._INT8_LINEAR_DEVICES
         assert layer.kernel == kernel and (layer.dense is None) == kernel
         y = layer(x)
         want = ops.int8_linear(x, layer.packed, layer.scales) if kernel else \

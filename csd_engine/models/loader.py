@@ -106,8 +106,8 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
                 quantize: str | None = None, dense_rows: int = 0) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
     supports the architecture; True demands it; False forces the generic runner. `fused`:
-    the native runner's fused Triton norm / RoPE kernels (None: on CUDA where the head size
-    allows; ignored by the generic runner).
+    the native runner's fused norm / RoPE path (None: Triton kernels on CUDA where the head size
+    allows, the extension's C++ ops on a CPU that has them; ignored by the generic runner).
     `quantize`: "int8", "int4" or "int4gG" weights (native runner only), as a `:int4` suffix does;
     `dense_rows`: quantized matrices also kept dense for calls of more rows (models/quant.py).
     A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in is

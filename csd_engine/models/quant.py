@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import bf16_kernel_pays, bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear
+from csd_engine.ops import bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear, kernel_without_native_bf16
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -52,10 +52,10 @@ DRAFTER_DENSE_ROWS = 16  # where the int4 op falls behind bf16 for a whole Qwen 
 
 def drafter_dense_rows(device, dtype: torch.dtype) -> int:
     """Rows above which a quantized drafter's calls take its dense copy: DRAFTER_DENSE_ROWS, but 2
-    on a CPU where csd_engine's bf16 kernel runs (no native bf16), whose cost grows slowly with the
+    on a CPU without native bf16 where csd_engine's bf16 kernel runs, whose cost grows slowly with the
     rows while the int4 op's does not (one 9728x896 layer on a 2-core AVX2 EPYC, 1 / 2 / 3 / 5
     rows: int4 op 0.82 / 1.08 / 1.36 / 2.85 ms, the kernel 1.03 / 1.15 / 1.34 / 1.82)."""
-    cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and bf16_kernel_pays()
+    cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and kernel_without_native_bf16()
     return 2 if cpu_kernel else DRAFTER_DENSE_ROWS
 
 

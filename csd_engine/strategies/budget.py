@@ -30,24 +30,39 @@ def geometric(rate: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 # then compute-bound; the step at 7 is where the kernel splits x's rows into two tiles (6 + 1 -> 4 + 3).
 KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.0), (3, 1.07), (4, 1.13), (5, 1.36), (6, 1.48), (7, 1.85), (8, 1.95),
                       (9, 2.19), (11, 2.66), (13, 2.95), (17, 3.87))
+# The same where the kernel runs on a CPU with native bf16 (its AVX-512 tiles, faster than torch's
+# oneDNN path there): the Qwen 1.5B on a 2-core AVX-512 EPYC, 300 tokens of context, median of 3
+# (bench/measured/forward-cost-qwen-bf16-avx512-kernel-cpu-2026-11-27.json; 2 tokens measured 1.14x,
+# min 1.11x, kept at 3's). A one-token forward is half of oneDNN's there, wide ones cost the same.
+AVX512_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.1), (3, 1.1), (5, 1.12), (7, 1.49), (9, 1.65), (11, 1.85),
+                             (13, 2.24), (17, 2.68))
 
 
 def on_bf16_kernel(models: Models) -> bool:
-    """The target's bf16 forwards run on csd_engine's CPU kernel (a CPU without native bf16)."""
+    """The target's bf16 forwards run on csd_engine's CPU kernel on a CPU without native bf16 (where
+    KERNEL_WIDTH_COSTS and the parameter price were measured)."""
     return (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.bfloat16
-            and ops.bf16_kernel_pays())
+            and ops.kernel_without_native_bf16())
+
+
+def on_kernel_with_native_bf16(models: Models) -> bool:
+    """The target's bf16 forwards run on csd_engine's CPU kernel on a CPU with native bf16."""
+    return (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.bfloat16
+            and ops.bf16_kernel_pays() and not ops.kernel_without_native_bf16())
 
 
 def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tensor:
     """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
-    the platform's: KERNEL_WIDTH_COSTS (interpolated, extended at its last slope) where csd_engine's
-    bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (the AVX-512 EPYC, bench/draft_policy.py's
-    timing since one-token forwards got faster: 9 / 17 tokens 1.15-1.18 / 1.35-1.44x one, the line
-    1.16 / 1.32; a GPU's forward is flat far wider)."""
+    the platform's: KERNEL_WIDTH_COSTS or AVX512_KERNEL_WIDTH_COSTS (interpolated, extended at its
+    last slope) where csd_engine's bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (torch's
+    bf16 matmul on the AVX-512 EPYC, bench/draft_policy.py's timing: 9 / 17 tokens 1.15-1.18 /
+    1.35-1.44x one, the line 1.16 / 1.32; a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
-    if width_cost is None and on_bf16_kernel(models):
-        x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*KERNEL_WIDTH_COSTS))
+    curve = KERNEL_WIDTH_COSTS if on_bf16_kernel(models) else \
+        AVX512_KERNEL_WIDTH_COSTS if on_kernel_with_native_bf16(models) else None
+    if width_cost is None and curve is not None:
+        x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*curve))
         i = (torch.searchsorted(x, w, right=True) - 1).clamp(0, len(x) - 2)
         cost = y[i] + (w - x[i]) * (y[i + 1] - y[i]) / (x[i + 1] - x[i])
     else:

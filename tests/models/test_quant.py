@@ -219,16 +219,19 @@ def test_engine_keeps_dense_copies_for_a_quantized_drafters_wide_calls_only(tmp_
 
 
 @pytest.mark.parametrize("forced", ["1", "0"])
-def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(forced, monkeypatch, tmp_path):
-    """Where csd_engine's bf16 CPU kernel runs, a bf16 quantized drafter sends every call of more
-    than 2 rows through its dense copy (and stays lossless); elsewhere (or in fp32, or on another
-    device) from 16."""
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(forced, native_bf16, monkeypatch,
+                                                                            tmp_path):
+    """Where csd_engine's bf16 CPU kernel runs on a CPU without native bf16, a bf16 quantized
+    drafter sends every call of more than 2 rows through its dense copy (and stays lossless);
+    elsewhere (or in fp32, or on another device) from 16."""
     from csd_engine import ops
     from csd_engine.models.quant import DRAFTER_DENSE_ROWS, drafter_dense_rows
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     ops.bf16_kernel_pays.cache_clear()
     try:
-        kernel = ops.bf16_kernel_pays()
+        kernel = ops.bf16_kernel_pays() and not native_bf16
         assert drafter_dense_rows("cpu", torch.bfloat16) == (2 if kernel else DRAFTER_DENSE_ROWS)
         assert drafter_dense_rows("cpu", torch.float32) == DRAFTER_DENSE_ROWS
         assert drafter_dense_rows("cuda", torch.bfloat16) == DRAFTER_DENSE_ROWS

@@ -369,22 +369,26 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
             Cascade.auto(prior_rate=bad)
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("forced", ["1", "0"])
-def test_auto_prices_width_by_platform(forced, models, monkeypatch):
+def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch):
     """The auto strategies' default width costs: where a bf16 target runs on csd_engine's CPU
-    kernel, the measured AVX2 curve (1x at 2 tokens, 1.36x at 5, 2.19x at 9, interpolated between
-    its points, extended past 17 tokens), elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope;
-    a negative one is refused."""
+    kernel without native bf16, the measured AVX2 curve (1x at 2 tokens, 1.36x at 5, 2.19x at 9,
+    interpolated between its points, extended past 17 tokens); on the kernel with native bf16 the
+    AVX-512 one; elsewhere 1 + 0.02 (n - 1); a given width_cost is a slope; a negative one is refused."""
     from csd_engine import ops
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     ops.bf16_kernel_pays.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):
             engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=dtype)
-            kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
+            on_kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
+            kernel = on_kernel and not native_bf16
             costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
             expected = [1, 1, 1, 1.07, 1.13, 1.36, 1.48, 1.85, 1.95, 2.19] if kernel else \
+                [1, 1, 1.1, 1.1, 1.11, 1.12, 1.305, 1.49, 1.57, 1.65] if on_kernel else \
                 [1, 1, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
             assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
             chain = Speculative.auto(max_tokens=8).decoder(engine._decoder_models()).width_costs
@@ -394,8 +398,8 @@ def test_auto_prices_width_by_platform(forced, models, monkeypatch):
             # between points (10 tokens: halfway from 2.19x at 9 to 2.66x at 11), and past the
             # last (17 tokens, 3.87x) at its last slope, 0.23 a token
             wide = Cascade.auto(max_tokens=20).decoder(engine._decoder_models()).width_costs
-            assert wide[10] == pytest.approx(2.425 if kernel else 1.18)
-            assert wide[25] == pytest.approx(5.71 if kernel else 1.48)
+            assert wide[10] == pytest.approx(2.425 if kernel else 1.75 if on_kernel else 1.18)
+            assert wide[25] == pytest.approx(5.71 if kernel else 3.56 if on_kernel else 1.48)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
