@@ -185,11 +185,26 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+# Rows above which a CPU with native bf16 keeps torch's matmul: the kernel's fp32 FMAs become
+# compute-bound with the rows while oneDNN's bf16 products do not (Qwen 1.5B forwards on the
+# 2-core AVX-512 EPYC: 17 tokens cost the same on both, a 400-token prefill several times more
+# on the kernel).
+NATIVE_BF16_KERNEL_MAX_ROWS = 16
+
+
+def bf16_kernel_max_rows() -> int | None:
+    """The most rows of x a call sends to the kernel: None (any) on CPUs without native bf16."""
+    return None if kernel_without_native_bf16() else NATIVE_BF16_KERNEL_MAX_ROWS
+
+
 def bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether dense_linear(x, weight, bias) runs csd_engine's kernel (rows computed alike
-    whatever their number: batch-invariant as it is)."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays())
+    """Whether dense_linear(x, weight, bias) runs csd_engine's kernel (its rows computed alike
+    whatever their number; where bf16_kernel_max_rows() bounds them, a wider call takes torch's)."""
+    if not (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_pays()):
+        return False
+    limit = bf16_kernel_max_rows()
+    return limit is None or x.numel() // max(x.shape[-1], 1) <= limit
 
 
 def int8_kernel_runs(device, dtype: torch.dtype) -> bool:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear, kernel_without_native_bf16
+from csd_engine.ops import bf16_kernel_max_rows, bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear, kernel_without_native_bf16
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -205,7 +205,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block:
     csd_engine's CPU kernels (bf16, and int8 where QuantizedLinear.kernel) need no blocks."""
     apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
         (lambda t: dense_linear(t, weight, bias))
-    kernel = weight.kernel if isinstance(weight, QuantizedLinear) else bf16_kernel_takes(x, weight, bias)
+    # whether every row count takes one kernel whose rows do not depend on the others: then no blocks
+    kernel = weight.kernel if isinstance(weight, QuantizedLinear) else \
+        bf16_kernel_takes(x, weight, bias) and bf16_kernel_max_rows() is None
     if not row_block or kernel:
         return apply(x)
     flat = x.reshape(-1, x.shape[-1])

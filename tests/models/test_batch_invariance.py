@@ -47,9 +47,12 @@ def test_a_rows_logits_do_not_depend_on_its_batch(model, attention):
 
 @pytest.mark.skipif("cpu" not in ops._BF16_LINEAR_DEVICES, reason="csd_engine._C has no bf16_linear CPU kernel")
 def test_bf16_rows_are_invariant_through_the_bf16_kernel_without_row_blocks(model, monkeypatch):
-    """Where bf16 matmuls take csd_engine's CPU kernel (every row computed alike), the batch-
-    invariant mode skips the row padding and a row's bf16 logits still do not move."""
+    """Where bf16 matmuls take csd_engine's CPU kernel at every width (a CPU without native bf16:
+    every row computed alike), the batch-invariant mode skips the row padding and a row's bf16
+    logits still do not move."""
     monkeypatch.setenv("CSD_BF16_LINEAR", "1")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     ops.bf16_kernel_pays.cache_clear()
     try:
         engine = Engine(model, max_batch_size=8, max_seq_len=48, batch_invariant=True, dtype=torch.bfloat16,
