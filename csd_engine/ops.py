@@ -1,8 +1,8 @@
 """Ops of the compiled extension `csd_engine._C`, each with a PyTorch reference it falls back to.
 
 build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/algorithms.md, Token trees).
-dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on CPUs without
-native bf16 arithmetic (csrc/bf16_linear.cpp); int8_linear(x, q, scale, bias) -> the same for an
+dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on x86 CPUs with
+AVX2 (csrc/bf16_linear.cpp; bf16_kernel_pays, bf16_kernel_max_rows); int8_linear(x, q, scale, bias) -> the same for an
 int8 weight with a scale per output row, where int8_kernel_runs (elsewhere the caller uses torch's op).
 add_rmsnorm, rope_and_cache, decode_attention, silu_mul: the native runner's work between its
 matmuls on the CPU (csrc/decode_cpu.cpp), where cpu_layer_ops_run(); their references are
