@@ -149,7 +149,7 @@ def bf16_kernel_pays() -> bool:
     and without AMX (not measured there). Without native bf16 arithmetic torch's bf16 matmul
     reads the weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2
     EPYC; the kernel: 1.7x); with avx512_bf16 its oneDNN path streams the weights at ~30 GB/s
-    where the kernel's AVX-512 tiles reach 35-50 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP
+    where the kernel's AVX-512 tiles reached 35-56 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP
     weights; README). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
     forced = os.environ.get("CSD_BF16_LINEAR")
     if forced not in (None, "", "0", "1"):
@@ -186,9 +186,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 # Rows above which a CPU with native bf16 keeps torch's matmul: the kernel's fp32 FMAs become
-# compute-bound with the rows while oneDNN's bf16 products do not (Qwen 1.5B forwards on the
-# 2-core AVX-512 EPYC: 17 tokens cost the same on both, a 400-token prefill several times more
-# on the kernel).
+# compute-bound with the rows while oneDNN's bf16 products do not (2-core AVX-512 EPYC: the Qwen
+# 1.5B's 17-token forward 2.68x its one-token one on the kernel; with the kernel at every width,
+# summarization and RAG prompts, whose prefills are hundreds of rows, generated 0.75x and 0.80x as
+# fast in an interleaved check; README).
 NATIVE_BF16_KERNEL_MAX_ROWS = 16
 
 
