@@ -217,7 +217,7 @@ at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
         m0 += rows;
         int64_t n = n0;
 #ifdef CSD_X86
-        if (isa == Isa::kAvx512) {
+        if (isa >= Isa::kAvx512) {  // with or without AVX-512 BF16: fp32 FMAs ran as fast as vdpbf16ps on Zen 4
           for (const int64_t r = kTileRowsOfW512[rows]; n + r <= n1; n += r)
             kTiles512<W>[rows](xs, wp + n * K, K, K, out + n, N);
           for (; n < n1; ++n) rows_scalar<16>(xs, wp + n * K, K, rows, K, out + n, N);

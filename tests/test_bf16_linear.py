@@ -231,7 +231,7 @@ def test_an_int8_layer_takes_the_kernel_where_it_runs_and_torchs_op_elsewhere(fo
     try:
         layer = quantize_weight(w, "int8", dense_rows=8)  # 5 rows: the packed op, not the dense copy
         kernel = forced == "1" and not native_bf16 and "cpu" in ops._INT8_LINEAR_DEVICES
-        assert layer.kernel == kernel and (layer.dense is None) == kernel
+        assert (layer.kernel == "int8") == kernel and (layer.dense is None) == kernel
         y = layer(x)
         want = ops.int8_linear(x, layer.packed, layer.scales) if kernel else \
             torch.ops.aten._weight_int8pack_mm(x, layer.packed, layer.scales)

@@ -10,7 +10,7 @@ import pytest
 from csd_engine import ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL_TESTS = ("tests/test_bf16_linear.py", "tests/test_decode_ops.py")
+KERNEL_TESTS = ("tests/test_bf16_linear.py", "tests/test_int4_linear.py", "tests/test_decode_ops.py")
 
 
 def runnable_isas() -> list[str]:
@@ -20,11 +20,13 @@ def runnable_isas() -> list[str]:
         isas.append("avx2")
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
             isas.append("avx512")
+            if "avx512_bf16" in flags:
+                isas.append("avx512_bf16")
     return isas
 
 
 @pytest.mark.skipif(not ops.HAS_EXTENSION, reason="csd_engine._C did not import")
-@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512", "avx512_bf16"])
 def test_kernels_pass_their_tests_with_every_instruction_set(isa):
     if isa not in runnable_isas():
         pytest.skip(f"this CPU does not run {isa}")

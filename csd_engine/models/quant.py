@@ -36,12 +36,15 @@ README): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
 quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on a CPU without
 native bf16 takes csd_engine's own kernel instead (ops.int8_linear), which needs no dense copy.
+int4 with bf16 activations on a CPU with AVX-512 BF16 takes csd_engine's int4 kernel (ops.int4_linear,
+groups of 64 inputs or more) in its own packing (pack_int4_for_kernel); drafters keep dense copies.
 """
 from dataclasses import dataclass
 
 import torch
 
-from csd_engine.ops import bf16_kernel_max_rows, bf16_kernel_takes, dense_linear, int8_kernel_runs, int8_linear, kernel_without_native_bf16
+from csd_engine.ops import (bf16_kernel_max_rows, bf16_kernel_takes, dense_linear, int4_kernel_runs, int4_linear,
+                            int8_kernel_runs, int8_linear, kernel_without_native_bf16)
 
 DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
@@ -106,6 +109,14 @@ def check_shape(scheme: str, shape: tuple[int, int], dtype: torch.dtype, device)
                          f"to be a multiple of 16, this [{n}, {k}] weight has N={n}")
 
 
+def pack_int4_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int4 grid indices -> [N, K / 2] uint8 in csrc/int4_linear.cpp's layout: byte 32 c + j
+    of a row holds input 64 c + j in its low nibble and 64 c + 32 + j in its high one."""
+    n, k = q.shape
+    chunks = q.to(torch.uint8).view(n, k // 64, 2, 32)
+    return (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(n, k // 2).contiguous()
+
+
 def quantize_values(w: torch.Tensor, scheme: str, dtype: torch.dtype) -> QuantizedValues:
     """Round an [N, K] float weight to `scheme` (pure PyTorch, in float32); scales in `dtype`."""
     bits, group = parse_scheme(scheme)
@@ -144,10 +155,18 @@ class QuantizedLinear:
         n, k = values.q.shape
         self.shape, self.bits, self.group, self.dtype = (n, k), values.bits, values.group, values.dtype
         self.device = values.q.device
-        self.kernel = values.bits == 8 and int8_kernel_runs(self.device, values.dtype)  # csd_engine's int8 kernel
-        self.dense_rows = 0 if self.kernel else dense_rows  # the kernel is as fast as bf16 at every width
+        # csd_engine's own CPU kernel for this weight, if any: "int8" (as fast as bf16 at every
+        # width: no dense copy) or "int4" (groups of 64 inputs or more)
+        self.kernel = ("int8" if values.bits == 8 and int8_kernel_runs(self.device, values.dtype) else
+                       "int4" if values.bits == 4 and int4_kernel_runs(self.device, values.dtype)
+                       and values.group % 64 == 0 and n % 8 == 0 else None)
+        self.dense_rows = 0 if self.kernel == "int8" else dense_rows
         self.dense = dequantize(values).to(values.dtype) if self.dense_rows else None  # for calls of more rows
         aten = torch.ops.aten
+        if self.kernel == "int4":
+            self.packed = pack_int4_for_kernel(values.q)
+            self.scales = torch.stack([values.scale, values.zero], dim=-1).contiguous()  # [N, K / group, 2]
+            return
         if values.bits == 8:
             self.packed = values.q.to(torch.int8).contiguous()
             self.scales = values.scale.reshape(n).contiguous()  # [N] in dtype
@@ -177,8 +196,10 @@ class QuantizedLinear:
         aten = torch.ops.aten
         if self.dense is not None and flat.shape[0] > self.dense_rows:
             y = dense_linear(flat, self.dense)
-        elif self.kernel:
+        elif self.kernel == "int8":
             y = int8_linear(flat, self.packed, self.scales)
+        elif self.kernel == "int4":
+            y = int4_linear(flat, self.packed, self.scales, self.group)
         elif self.bits == 8:
             y = aten._weight_int8pack_mm(flat, self.packed, self.scales)
         elif self.device.type == "cuda":
@@ -202,11 +223,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, row_block:
     row_block > 0: batch-invariant. The rows of x (batch x tokens) go through the matmul in
     zero-padded blocks of exactly `row_block` rows, so every row takes the same kernel with the
     same reduction order whatever else is in the batch (BLAS picks kernels by the row count);
-    csd_engine's CPU kernels (bf16, and int8 where QuantizedLinear.kernel) need no blocks."""
+    csd_engine's CPU kernels (bf16, and QuantizedLinear.kernel without dense copies) need no blocks."""
     apply = (lambda t: weight(t, bias)) if isinstance(weight, QuantizedLinear) else \
         (lambda t: dense_linear(t, weight, bias))
     # whether every row count takes one kernel whose rows do not depend on the others: then no blocks
-    kernel = weight.kernel if isinstance(weight, QuantizedLinear) else \
+    kernel = weight.kernel is not None and weight.dense is None if isinstance(weight, QuantizedLinear) else \
         bf16_kernel_takes(x, weight, bias) and bf16_kernel_max_rows() is None
     if not row_block or kernel:
         return apply(x)

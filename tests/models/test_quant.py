@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from csd_engine import Autoregressive, Engine, SamplingParams, Speculative
+from csd_engine import Autoregressive, Engine, SamplingParams, Speculative, ops
 from csd_engine.models.graphs import GraphedRunner
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import load_runner, split_spec
@@ -245,6 +245,25 @@ def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(for
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
+
+
+@pytest.mark.skipif(not ops.int4_kernel_runs("cpu", torch.bfloat16),
+                    reason="csd_engine's int4 kernel does not run here (needs AVX-512 BF16)")
+def test_bf16_int4_weights_on_csd_engines_kernel_keep_greedy_decoding_exact(tmp_path):
+    """int4g64 weights with bf16 activations take csd_engine's int4 kernel (groups of 64: the tiny
+    models' K of 64 and 128); as the target its rows are batch-invariant, so speculative decoding
+    gives exactly its autoregressive tokens; as the drafter it keeps speculation lossless."""
+    model = tiny_llama(seed=12)
+    model.save_pretrained(tmp_path / "tiny")
+    spec = f"{tmp_path / 'tiny'}:int4g64"
+    engine = Engine(target=spec, drafters=[spec], dtype=torch.bfloat16, max_batch_size=2, max_seq_len=64,
+                    batch_invariant=True)
+    assert engine.target.layers[0]["qkv"].kernel == "int4" and engine.drafters[0].layers[0]["down"].kernel == "int4"
+    out = assert_greedy_equals_autoregressive(engine, random_prompts(2, lo=3, hi=9, seed=5), Speculative(k=3))
+    assert sum(r.metrics.accepted for r in out) > 0
+    mixed = Engine(target=model, drafters=[spec], dtype=torch.bfloat16, max_batch_size=2, max_seq_len=64,
+                   batch_invariant=True)
+    assert_greedy_equals_autoregressive(mixed, random_prompts(2, lo=3, hi=9, seed=6), Speculative(k=3))
 
 
 def test_spec_suffix_loads_a_quantized_runner(tmp_path):
