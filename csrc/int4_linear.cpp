@@ -18,6 +18,11 @@
 // computes it (the tiles cover every row: N % 8 == 0), so a row's result does not depend on how
 // many other rows share the call.
 
+// x86 only, and a compiler with the AVX-512 BF16 intrinsics (GCC 10, clang 9): elsewhere the op
+// is not registered and int4 weights keep torch's op (ops.int4_kernel_runs).
+#if (defined(__x86_64__) || defined(_M_X64)) && \
+    (defined(__clang__) ? __clang_major__ >= 9 : defined(__GNUC__) && __GNUC__ >= 10)
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,12 +35,9 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC bug 105593, see bf16_linear.cpp
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#define CSD_X86 1
-#endif
 
 namespace csd_engine {
 namespace {
@@ -51,7 +53,6 @@ inline float bf16_bits_to_float(uint16_t v) {
   return out;
 }
 
-#ifdef CSD_X86
 #define CSD_AVX512_BF16 "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"
 
 // R rows of W (w: packed, K / 2 bytes apart; sz: their [groups, 2] scales and zeros, 2 groups
@@ -108,7 +109,6 @@ using TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const
 constexpr int kTileRows[kMaxXRows + 1] = {0, 8, 4, 4, 2, 2, 2};
 constexpr TileFn kTiles[kMaxXRows + 1] = {nullptr,    tile<8, 1>, tile<4, 2>, tile<4, 3>,
                                           tile<2, 4>, tile<2, 5>, tile<2, 6>};
-#endif
 
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                            int64_t group, const std::optional<at::Tensor>& bias) {
@@ -156,10 +156,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const 
       const int64_t n0 = block * kBlockRows;
       for (int64_t tile_index = 0, m0 = 0; tile_index < tiles; ++tile_index) {
         const int64_t rows = M / tiles + (tile_index < M % tiles);
-#ifdef CSD_X86
         for (int64_t n = n0; n < n0 + kBlockRows; n += kTileRows[rows])
           kTiles[rows](xp + m0 * K, K, wp + n * (K / 2), K, szp + n * 2 * groups, group, op + m0 * N + n, N);
-#endif
         for (int64_t m = m0; m < m0 + rows; ++m)
           for (int64_t n = n0; n < n0 + kBlockRows; ++n) {
             float y = op[m * N + n];
@@ -186,3 +184,5 @@ TORCH_LIBRARY_FRAGMENT(csd_engine, m) {
 TORCH_LIBRARY_IMPL(csd_engine, CPU, m) { m.impl("int4_linear", &int4_linear_cpu); }
 
 }  // namespace csd_engine
+
+#endif
