@@ -232,17 +232,16 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def int4_kernel_runs(device, dtype: torch.dtype) -> bool:
     """Whether int4 weights for `dtype` activations on `device` take csd_engine's int4 kernel:
-    bf16 on a CPU with AVX-512 BF16 (and CSD_CPU_ISA unset or avx512_bf16). Against torch's
-    _weight_int4pack_mm_for_cpu on a 2-core AVX-512 EPYC: the int4 Qwen 0.5B's forward of 1 / 5 /
-    9 tokens 9 / 21 / 37 ms instead of 11 / 29 / 44 (README); its rows are batch-invariant.
-    CSD_INT4_LINEAR=0 keeps torch's op."""
+    bf16 on a CPU with AVX-512 BF16 (and CSD_CPU_ISA unset or avx512_bf16; the extension decides).
+    Against torch's _weight_int4pack_mm_for_cpu on a 2-core AVX-512 EPYC: the int4 Qwen 0.5B's
+    forward of 1 / 5 / 9 tokens 9 / 20 / 35 ms instead of 11 / 28 / 43 (README); its rows are
+    batch-invariant. CSD_INT4_LINEAR=0 keeps torch's op."""
     forced = os.environ.get("CSD_INT4_LINEAR")
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"CSD_INT4_LINEAR must be 1 (use csd_engine's int4 CPU kernel where the CPU runs it) "
                          f"or 0 (torch's op), got {forced!r}")
     return (forced != "0" and dtype == torch.bfloat16 and torch.device(device).type == "cpu"
-            and "cpu" in _INT4_LINEAR_DEVICES and torch.cpu._is_avx512_bf16_supported()
-            and os.environ.get("CSD_CPU_ISA", "") in ("", "avx512_bf16"))
+            and "cpu" in _INT4_LINEAR_DEVICES and torch.ops.csd_engine.int4_linear_runs())
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int,

@@ -7,8 +7,9 @@
 // target's at ~50: it is bound by unpacking. Here a nibble becomes a bf16 (q - 8) by one table
 // lookup (vpermw), and vdpbf16ps multiplies 32 of them by 32 bf16 activations exactly (an 8-bit
 // by a 4-bit significand) into 16 fp32 sums; the group's sum is scaled once, and the zeros' share
-// is z[n, g] times the group's sum of x, added after. 25-38 GB/s there for one row, 1.5x torch's
-// op for 5 rows; from 8 rows both are bound by arithmetic alike.
+// is z[n, g] times the group's sum of x, added after. There, per matrix: 24-38 GB/s for one row
+// (1.06-1.37x torch's op), 1.3-1.65x torch's op for 5 rows; from 7 rows x takes two tiles, each
+// unpacking W again, and torch's op is up to 15% faster (8 rows) or level (12-16).
 //
 // Packed layout (models/quant.py, pack_int4_for_kernel): [N, K / 2] bytes; byte 32 c + j of a row
 // holds input 64 c + j in its low nibble and 64 c + 32 + j in its high nibble. Scales and zeros:
@@ -110,10 +111,13 @@ constexpr int kTileRows[kMaxXRows + 1] = {0, 8, 4, 4, 2, 2, 2};
 constexpr TileFn kTiles[kMaxXRows + 1] = {nullptr,    tile<8, 1>, tile<4, 2>, tile<4, 3>,
                                           tile<2, 4>, tile<2, 5>, tile<2, 6>};
 
+// Whether this CPU (and CSD_CPU_ISA) lets int4_linear run: the one place the rule lives
+// (ops.int4_kernel_runs asks it).
+bool int4_linear_runs() { return cpu_isa() == Isa::kAvx512Bf16; }
+
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                            int64_t group, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(cpu_isa() == Isa::kAvx512Bf16,
-              "int4_linear: needs a CPU with AVX-512 BF16 (and CSD_CPU_ISA unset or avx512_bf16)");
+  TORCH_CHECK(int4_linear_runs(), "int4_linear: needs a CPU with AVX-512 BF16 (and CSD_CPU_ISA unset or avx512_bf16)");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16, "int4_linear: x must be bfloat16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "int4_linear: packed must be uint8, got ",
                    packed.scalar_type());
@@ -179,6 +183,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(csd_engine, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group, Tensor? bias=None) -> Tensor");
+  m.def("int4_linear_runs() -> bool", &int4_linear_runs);
 }
 
 TORCH_LIBRARY_IMPL(csd_engine, CPU, m) { m.impl("int4_linear", &int4_linear_cpu); }
