@@ -311,10 +311,12 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
     sizes, device = models.sizes, models.device
     prompt = models.prompt()
     params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
-    strategies = [("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False)]
-    if hasattr(csd_engine, "Cascade"):
-        strategies.append(("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(
-            k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4), True))
+    strategies = [("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False),
+                  ("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0,
+                                                                          mag_tokens=4), True),
+                  # per-row draft lengths chosen every step on the device (issue 17) beside the fixed ones
+                  ("Speculative.auto()", csd_engine.Speculative.auto(), False),
+                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
     rows = []
     for variant in ("eager, sdpa", "CUDA graphs") if graphs else ("eager, sdpa",):
         for name, strategy, with_mag in strategies:

@@ -8,12 +8,19 @@
 #   4. the kernel, fused-path and host-read tests, compiled for real, in the time left (all: 545 s).
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
+#   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
+#                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
+#                                      # step graphs), then the sync and real-graph tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 what=${1:-all}
+case "$what" in
+  tests|bench|all|open|serve) ;;
+  *) echo "bench/gpu_session.sh: unknown mode '$what'; allowed: tests, bench, all, open, serve" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -39,6 +46,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/kernels --ignore=tests/serving \
     2>&1 | tee "$OUT/pytest-gpu.log" | grep -v "^\." | tail -30
   echo "[gpu_session] gpu tests done at $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = open ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections step_split \
+      2>&1 | tee "$OUT/gpu.log" | grep -v '^\['
+  left=$(( ${SESSION_S:-420} - ($(date +%s) - start) ))
+  [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \
+      tests/strategies/test_host_reads.py::test_a_step_never_synchronises_on_cuda \
+      tests/strategies/test_step_graphs.py::test_real_cuda_graphs_equal_eager_steps \
+    2>&1 | tee "$OUT/pytest-open.log" | grep -v "^\." | tail -15
+  echo "[gpu_session] total $(( $(date +%s) - start )) s"
+  exit 0
 fi
 if [ "$what" = serve ]; then
   timeout ${SERVE_TIMEOUT:-540} python3 -m bench.serve --synthetic --requests 32 --rate 4 --clients 16 \

@@ -8,7 +8,8 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
   prompt category and one for all prompts; X-acceptance.png: acceptance rate by draft position
   per csd_engine method (JSON recorded since 2026-11-23 only).
 * gpu JSON -> X-step-split.png: ms per target step split into target, drafters, verify,
-  sample, MaG and other, one stacked bar per strategy and variant.
+  sample, MaG and other, one stacked bar per strategy and split variant; beside it, tokens/s
+  relative to autoregressive decoding per strategy and variant (step graphs at batch 1 and 8).
 * forward-cost JSON -> X-forward-cost.png: cost of an n-token forward relative to one token.
 * serve JSON -> X-latency.png: per strategy, tokens/s served (and offline), time to first token
   and inter-token latency (p50 and p99).
@@ -152,33 +153,52 @@ def draft_policies(data: dict, png: Path) -> Path:
 
 # -- gpu ------------------------------------------------------------------------------------------
 def step_split(data: dict, png: Path) -> Path | None:
+    """Left: ms per target step split into its parts, one stacked bar per strategy of the split
+    variants (eager, forward graphs). Right: every variant's tokens/s relative to autoregressive
+    decoding in the same variant (one graph per step too, batch 1 and 8), grouped by variant."""
     import matplotlib.pyplot as plt
     rows = data["sections"].get("step_split")
     if not isinstance(rows, list) or not rows:
         print(f"{png.name}: the JSON has no step_split rows", file=sys.stderr)
         return None
     rows = [row for row in rows if "tokens_per_s" in row]  # a failed row has its error only
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(rows) + 2), 5))
-    bottoms = [0.0] * len(rows)
+    split = [row for row in rows if "target_ms" in row]
+    variants = list(dict.fromkeys(row["variant"] for row in rows))
+    strategies = list(dict.fromkeys(row["strategy"] for row in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(min(22, max(10, 1.1 * len(split) + 0.9 * len(rows) + 2)), 5.5),
+                                      gridspec_kw={"width_ratios": [max(len(split), 1), max(len(rows), 1)]})
+    bottoms = [0.0] * len(split)
     for part in SPLIT_PARTS:
-        values = [max(row.get(f"{part}_ms", 0.0), 0.0) for row in rows]
-        ax.bar(range(len(rows)), values, 0.6, bottom=bottoms, label=part)
+        values = [max(row.get(f"{part}_ms", 0.0), 0.0) for row in split]
+        left.bar(range(len(split)), values, 0.6, bottom=bottoms, label=part)
         bottoms = [b + v for b, v in zip(bottoms, values)]
-    whole = [row["ms_per_step"] if "target_ms" not in row else 0.0 for row in rows]  # one graph: not split
-    if any(whole):
-        ax.bar(range(len(rows)), whole, 0.6, bottom=bottoms, color="lightgray", hatch="//",
-               label="whole step (one graph, not split)")
-        bottoms = [b + v for b, v in zip(bottoms, whole)]
-    for i, row in enumerate(rows):
-        ax.text(i, bottoms[i], f"{row['tokens_per_s']:.0f} tok/s\nMAT {row['mean_accepted']:.2f}",
-                ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{wrap(row['strategy'], 22)}\n({row['variant']})" for row in rows], fontsize=8)
-    ax.set_ylabel("ms per target step (split: a run with a sync around each part)")
-    ax.set_ylim(0, max(bottoms) * 1.2)
+    for i, row in enumerate(split):
+        left.text(i, bottoms[i], f"{row['tokens_per_s']:.0f} tok/s\nMAT {row['mean_accepted']:.2f}",
+                  ha="center", va="bottom", fontsize=7)
+    left.set_xticks(range(len(split)))
+    left.set_xticklabels([f"{wrap(row['strategy'], 16)}\n({row['variant']})" for row in split], fontsize=7)
+    left.set_ylabel("ms per target step (a run with a sync around each part)")
+    left.set_ylim(0, max(bottoms + [1.0]) * 1.2)
+    left.legend(fontsize=7)
+    left.set_title("where a step's time goes", fontsize=9)
+    width = 0.8 / max(len(strategies), 1)
+    for j, strategy in enumerate(strategies):
+        xs, ys = [], []
+        for i, variant in enumerate(variants):
+            mine = [r for r in rows if r["variant"] == variant and r["strategy"] == strategy]
+            base = [r for r in rows if r["variant"] == variant and r["strategy"] == "autoregressive"]
+            if mine and base:
+                xs.append(i - 0.4 + (j + 0.5) * width)
+                ys.append(mine[0]["tokens_per_s"] / base[0]["tokens_per_s"])
+        right.bar(xs, ys, width, label=strategy)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_xticks(range(len(variants)))
+    right.set_xticklabels([wrap(v, 18) for v in variants], fontsize=7)
+    right.set_ylabel("tokens/s / autoregressive's, same variant")
+    right.legend(fontsize=7)
+    right.set_title("speculation against plain decoding", fontsize=9)
     device = data.get("device") or data.get("versions", {}).get("device", "?")
-    ax.set_title(f"where a speculative step's time goes\n{device}, {data.get('date', '')}", fontsize=10)
-    ax.legend(fontsize=8)
+    fig.suptitle(f"speculative steps, {device}, {data.get('date', '')}", fontsize=10)
     return save(fig, png)
 
 
