@@ -318,7 +318,8 @@ def metrics_of(metrics) -> dict:
 def summarize(prompts, encoded, runs, methods, labels) -> dict:
     """Per prompt, per category and overall: tokens, seconds (per prompt the median over the
     rounds), tokens/s, the min and max of the rounds' tokens/s, speedup over "hf", mean accepted
-    tokens, outputs equal to the reference, acceptance by draft position (mean over prompts)."""
+    tokens, outputs equal to the reference (transformers' greedy text) and to csd's Autoregressive
+    (where it ran), acceptance by draft position (mean over prompts)."""
     per_prompt = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         row = {"index": i, "category": prompt["category"], "prompt_tokens": len(ids)}
@@ -327,6 +328,8 @@ def summarize(prompts, encoded, runs, methods, labels) -> dict:
             row[key] = {"tokens": run["tokens"], "seconds": run["seconds"],
                         "tokens_per_s": run["tokens"] / statistics.median(run["seconds"]),
                         "identical": run["output"] == runs[i]["reference"],
+                        # csd's own plain decoding: what a lossless greedy method must reproduce
+                        "same_as_ar": run["output"] == runs[i]["ar"]["output"] if "ar" in runs[i] else None,
                         "mean_accepted": (run["tokens"] / run["target_forwards"]
                                           if run.get("target_forwards") else None),
                         "acceptance_by_position": run.get("acceptance_by_position")}
@@ -354,6 +357,8 @@ def aggregate(rows: list[dict], runs, methods) -> dict:
                     "min_tokens_per_s": min(by_round), "max_tokens_per_s": max(by_round),
                     "mean_accepted": tokens / sum(forwards) if all(forwards) else None,
                     "identical": f"{sum(c['identical'] for c in cells)}/{len(cells)}",
+                    "same_as_ar": (f"{sum(c['same_as_ar'] for c in cells)}/{len(cells)}"
+                                   if all(c.get("same_as_ar") is not None for c in cells) else None),
                     "acceptance_by_position": mean_by_position(positions)}
     base = out.get("hf", {}).get("tokens_per_s")
     for cell in out.values():
@@ -372,7 +377,7 @@ def print_tables(summary: dict, methods: list[str], labels: dict) -> None:
             for row in summary["rows"]]
     print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"), ("spread", "min-max", "s"),
                        ("speedup", "vs transformers", ".2f"), ("mean_accepted", "mean accepted", ".2f"),
-                       ("identical", "= greedy", "s")])
+                       ("identical", "= greedy", "s"), ("same_as_ar", "= csd AR", "s")])
     categories = summary["per_category"]
     print("\nper category: tokens/s (speedup over transformers generate)")
     matrix = []

@@ -195,8 +195,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # compute-bound with the rows while oneDNN's bf16 products do not (2-core AVX-512 EPYC: the Qwen
 # 1.5B's 17-token forward 2.68x its one-token one on the kernel; with the kernel at every width,
 # summarization and RAG prompts, whose prefills are hundreds of rows, generated 0.75x and 0.80x as
-# fast in an interleaved check; README).
-NATIVE_BF16_KERNEL_MAX_ROWS = 16
+# fast in an interleaved check; README). 17: a batch-1 step's widest forward (the pending token and
+# a 16-token direct draft) stays on the kernel, whose rows do not depend on the call's, so greedy
+# speculative decoding at batch 1 emits plain decoding's tokens exactly (its 17-row forward 173 ms
+# against torch's 159; 24 rows 238 against 186, 33 rows 319 against 218; ad hoc, in-process, interleaved).
+NATIVE_BF16_KERNEL_MAX_ROWS = 17
 
 
 def bf16_kernel_max_rows() -> int | None:
@@ -291,10 +294,11 @@ def rope_and_cache(qkv, positions, inv_freq, scaling: float, k_cache, v_cache, l
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor) -> torch.Tensor:
-    """Attention of one new token per row, q [B, 1, Hq, D], over cache slots 0..lengths[b] (its
-    committed prefix and itself) of k_cache / v_cache [B, Hkv, S, D], in fp32; returns q's shape
-    and dtype (zeros for a padded row, length -1). No mask to build: the lengths say what each
-    row sees."""
+    """Attention of n new tokens per row, q [B, n, Hq, D], causal: token t of row b over cache
+    slots 0..lengths[b] + t (its committed prefix, the new tokens before it and itself) of
+    k_cache / v_cache [B, Hkv, S, D], in fp32; returns q's shape and dtype (zeros for a padded
+    row, length -1). No mask to build: the lengths say what each token sees. Each token is
+    computed exactly as when it is the call's only one, so its output does not depend on n."""
     return torch.ops.csd_engine.decode_attention(q, k_cache, v_cache, lengths)
 
 

@@ -11,7 +11,7 @@ from csd_engine import ops
 from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache_ref
-from csd_engine.models.llama import one_query_attention, silu_mul_ref
+from csd_engine.models.llama import silu_mul_ref
 from tests.stats import fresh_seed
 
 pytestmark = pytest.mark.skipif(not ops.cpu_layer_ops_run(), reason="csd_engine._C has no CPU layer ops")
@@ -77,43 +77,62 @@ def test_rope_and_cache_is_the_reference(dtype, heads, kv_heads, dim):
     assert torch.equal(ours_v, ref_v)
 
 
-def _attention_case(g, dtype, b, heads, kv_heads, dim, lengths, capacity=320):
-    q = torch.randn(b, 1, heads, dim, generator=g).to(dtype)
+def _attention_case(g, dtype, b, heads, kv_heads, dim, lengths, n=1, capacity=320):
+    q = torch.randn(b, n, heads, dim, generator=g).to(dtype)
     # a layer's view of a [layers, rows, kv_heads, S, D] cache: rows are not adjacent in memory
     k, v = (torch.randn(2, b + 1, kv_heads, capacity, dim, generator=g).to(dtype)[1, :b] for _ in range(2))
     return q, k, v, torch.tensor(lengths)
 
 
+def causal_attention_ref(q, k, v, lengths):
+    """float64 attention of q [B, n, Hq, D] over the cache, token t of row b seeing slots
+    0..lengths[b] + t (attention_mask's chain rule)."""
+    b, n, hq, d = q.shape
+    group = hq // k.shape[1]
+    keys, values = (t.double().repeat_interleave(group, dim=1) for t in (k, v))  # [B, Hq, S, D]
+    scores = torch.einsum("bnhd,bhsd->bhns", q.double(), keys) * d ** -0.5
+    scores = scores.masked_fill(~attention_mask(lengths, n, k.shape[2], None), float("-inf"))
+    return torch.einsum("bhns,bhsd->bnhd", torch.softmax(scores, dim=-1), values)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (14, 2, 64), (12, 2, 128), (6, 3, 80)])
-def test_decode_attention_is_one_query_attention(dtype, heads, kv_heads, dim):
-    """Against one_query_attention (SDPA's math in fp32) over slots 0..lengths[b]; slots after a
-    row's new token hold NaN and must not be read."""
+@pytest.mark.parametrize("n", [1, 5])
+def test_decode_attention_is_causal_attention(dtype, heads, kv_heads, dim, n):
+    """Against float64 attention: token t of row b over slots 0..lengths[b] + t; slots after a
+    row's last new token hold NaN and must not be read."""
     g = torch.Generator().manual_seed(fresh_seed())
-    q, k, v, lengths = _attention_case(g, dtype, 4, heads, kv_heads, dim, [0, 5, 47, 300])
+    q, k, v, lengths = _attention_case(g, dtype, 4, heads, kv_heads, dim, [0, 5, 47, 300], n=n)
     for row, length in enumerate(lengths.tolist()):
-        k[row, :, length + 1:] = float("nan")
-        v[row, :, length + 1:] = float("nan")
+        k[row, :, length + n:] = float("nan")
+        v[row, :, length + n:] = float("nan")
     ours = ops.decode_attention(q, k, v, lengths)
-    mask = attention_mask(lengths, 1, k.shape[2], None)
-    ref = one_query_attention(q.double(), k.double().nan_to_num(), v.double().nan_to_num(), mask)
+    ref = causal_attention_ref(q, k.nan_to_num(), v.nan_to_num(), lengths)
     assert ours.dtype == dtype and ours.shape == q.shape
-    # fp32 sums of at most 301 terms of magnitude <= max|v|, then one rounding to the dtype
+    # fp32 sums of at most 305 terms of magnitude <= max|v|, then one rounding to the dtype
     fp32_error = 320 * 2.0 ** -24 * v.double().nan_to_num().abs().amax()
     err = (ours.double() - ref).abs()
     bound = fp32_error + ulp(ref, dtype)
     assert (err <= bound).all(), f"worst {(err - bound).max().item():.3g}"
 
 
-def test_decode_attention_rows_are_computed_alone():
-    """A row's output is the same alone or in a batch; a padded row (length -1) gets zeros."""
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (12, 2, 128), (6, 3, 80), (66, 1, 64)])
+def test_decode_attention_computes_every_token_and_row_alone(heads, kv_heads, dim):
+    """Bit for bit: a row's output is the same alone or in a batch, and token t of a call with n
+    tokens is the same as a call with that token alone at its position (lengths + t): a token's
+    logits do not depend on the forward's width (greedy speculative decoding relies on it on
+    the CPU). A padded row (length -1) gets zeros."""
     g = torch.Generator().manual_seed(fresh_seed())
-    q, k, v, lengths = _attention_case(g, torch.bfloat16, 4, 14, 2, 64, [3, 200, 31, -1])
+    n = 9
+    q, k, v, lengths = _attention_case(g, torch.bfloat16, 4, heads, kv_heads, dim, [3, 200, 31, -1], n=n)
     together = ops.decode_attention(q, k, v, lengths)
     assert (together[3] == 0).all()
     for row in range(3):
         alone = ops.decode_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], lengths[row:row + 1])
         assert torch.equal(alone, together[row:row + 1])
+        for t in range(n):
+            one = ops.decode_attention(q[row:row + 1, t:t + 1], k[row:row + 1], v[row:row + 1], lengths[row:row + 1] + t)
+            assert torch.equal(one, together[row:row + 1, t:t + 1]), f"row {row}, token {t}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,10 +155,12 @@ def test_bad_input_is_refused_clearly():
         ops.add_rmsnorm(h.long(), torch.randn(8), 1e-6)
     q = torch.randn(1, 1, 4, 8)
     k = torch.randn(1, 2, 16, 8)
-    with pytest.raises(ValueError, match="the new token's slot must lie in a cache of 16"):
+    with pytest.raises(ValueError, match=r"row 0's new tokens sit in slots 16..16, past a cache of 16 slots"):
         ops.decode_attention(q, k, k.clone(), torch.tensor([16]))
-    with pytest.raises(ValueError, match=r"q must be \[B, 1, q_heads, head_dim\]"):
-        ops.decode_attention(q.expand(1, 2, 4, 8), k, k.clone(), torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"row 0's new tokens sit in slots 14..16, past a cache of 16 slots"):
+        ops.decode_attention(q.expand(1, 3, 4, 8), k, k.clone(), torch.tensor([14]))
+    with pytest.raises(ValueError, match=r"q must be \[B, n, q_heads, head_dim\]"):
+        ops.decode_attention(q[0], k, k.clone(), torch.tensor([3]))
     with pytest.raises(ValueError, match="must be a multiple of kv_heads"):
         ops.decode_attention(torch.randn(1, 1, 3, 8), k, k.clone(), torch.tensor([3]))
     qkv = torch.randn(1, 2, 8 * 8)

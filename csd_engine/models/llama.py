@@ -9,7 +9,10 @@ residual add fused with each RMSNorm and RoPE with the KV-cache write, taking a 
 launches to ~12. On CUDA these are Triton kernels (kernels/rmsnorm.py, kernels/rope.py): on an
 H100 (bench/gpu.py forward_profile, README) a graphed Llama-2-7B decoding forward takes 6.0 ms
 fused against 7.8 ms plain. On the CPU they are the extension's C++ ops (csrc/decode_cpu.cpp),
-with the activation and one-token attention as well: a layer is its matmuls and five other ops.
+with the activation and the attention of chain forwards as well: a layer is its matmuls and five
+other ops. That attention computes each new token as if it were decoded alone, and the CPU
+matmul kernels compute each row alone, so on the CPU a token's logits do not depend on the
+forward's width: greedy speculative decoding emits plain decoding's tokens exactly.
 The fused path is tested against the PyTorch one on both.
 
 `quantize="int8" | "int4" | "int4gG"` (models/quant.py) stores the qkv, o, gate_up and down
@@ -208,8 +211,15 @@ class LlamaRunner(Runner):
     def _rmsnorm(self, x, weight):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
 
+    def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
+        """The extension's attention (ops.decode_attention) takes this forward: a chain (no tree)
+        on the CPU, outside batch-invariant mode. It computes each token as it does a token
+        decoded alone, so a token's logits do not depend on the forward's width."""
+        return self.cpu_layer_ops and batch.tree_mask is None and not self.row_block
+
     def _one_query_on_cpu(self, n: int) -> bool:
-        """One new token per row on the CPU, outside batch-invariant mode: attention without SDPA."""
+        """One new token per row on the CPU, outside batch-invariant mode, without the extension:
+        attention without SDPA."""
         return n == 1 and self.device.type == "cpu" and not self.row_block
 
     def _attention(self, layer, q, lengths, batch: ForwardBatch, mask):
@@ -219,7 +229,7 @@ class LlamaRunner(Runner):
             splits = max(1, k_all.shape[2] // INVARIANT_SPLIT) if self.row_block else None
             block_rows = INVARIANT_BLOCK_ROWS if self.row_block else None
             return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
-        if self._one_query_on_cpu(q.shape[1]) and self.cpu_layer_ops:
+        if self._cpu_attention_op(batch):
             return ops.decode_attention(q, k_all, v_all, lengths)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
@@ -240,7 +250,7 @@ class LlamaRunner(Runner):
             assert int(lengths.max()) + n <= batch.kv_bound <= cache.capacity, "kv_bound does not cover every row"
         if self.row_block:  # SDPA takes another path for short key ranges: keep them >= KV_ROUND long
             batch = dataclasses.replace(batch, kv_bound=min(cache.capacity, -(-batch.kv_bound // KV_ROUND) * KV_ROUND))
-        needs_mask = self.attention_backend == "sdpa" and not (self.cpu_layer_ops and self._one_query_on_cpu(n))
+        needs_mask = self.attention_backend == "sdpa" and not self._cpu_attention_op(batch)
         mask = attention_mask(lengths, n, batch.kv_bound, batch.tree_mask) if needs_mask else None
         h = F.embedding(ids, self.embed)
         layers = self._fused_layers if self.fused else self._layers

@@ -64,6 +64,11 @@ def test_compare_dry_run(tmp_path):
         assert all(len(prompt[key]["seconds"]) == 2 for key in record["methods"])
     assert record["overall"]["hf"]["speedup"] == pytest.approx(1.0)
     assert record["overall"]["spec-model"]["acceptance_by_position"]
+    if "ar" in record["methods"]:  # equality with csd's own plain decoding, per method
+        assert record["overall"]["ar"]["same_as_ar"] == "2/2"
+        assert all(record["overall"][key]["same_as_ar"] for key in record["methods"])
+    else:
+        assert all(record["overall"][key]["same_as_ar"] is None for key in record["methods"])
     assert record["profile"], "the profile ran (or warned) for the csd_engine methods"
     assert {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("*.png")} == {"speedup.png", "acceptance.png"}
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import csd_engine.models.llama
-from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
+from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged, ops
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import Runner
 from tests.strategies.common import check_proposals
@@ -251,3 +251,31 @@ def test_every_drafted_token_is_verified_with_its_proposal(models, name):
     engine.generate([repetitive_prompt(s) for s in range(6)], params, strategy=strategy)
     deterministic = name in ("speculative-mag", "staged")  # MaG's tokens, the tree's top-b children: q None
     assert calls or deterministic, "no verification with proposals ran"
+
+
+TREES = ("cascade-tree", "staged")  # verified through SDPA's masked attention (see below)
+
+
+@pytest.mark.skipif(not (ops.cpu_layer_ops_run() and ops.bf16_kernel_pays()),
+                    reason="needs csd_engine's CPU layer ops and bf16 kernel (x86 with AVX2, no AMX)")
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "autoregressive" and n not in TREES])
+def test_bf16_greedy_output_is_plain_decodings_exactly(models, name):
+    """A bf16 model on the CPU, default engine (not batch_invariant), batch 1: every chain
+    strategy's greedy output is plain decoding's token for token. Random bf16 weights put
+    near-ties everywhere, so this holds only because a token's logits do not depend on the
+    forward's width there (csd_engine's matmul kernel computes each row alone, ops.decode_attention
+    each token as if alone; with SDPA for the wide forwards, most of these outputs differed).
+    Tree verification keeps SDPA's masked attention: its tokens are plain decoding's up to bf16
+    rounding at near-ties."""
+    drafters, strategy = STRATEGIES[name]
+    engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=1, max_seq_len=MAX_SEQ_LEN, verify_backend="torch", dtype=torch.bfloat16)
+    prompts = [repetitive_prompt(s) for s in range(3)] + random_prompts(3, lo=2, hi=12, seed=29)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = [engine.generate([p], params, strategy=Autoregressive())[0] for p in prompts]
+    ours = [engine.generate([p], params, strategy=strategy)[0] for p in prompts]
+    for i, (a, b) in enumerate(zip(plain, ours)):
+        assert b.token_ids == a.token_ids, f"{name}, prompt {i}: first difference at token " \
+            f"{next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)}"
+    if name not in ("speculative-mag", "pearl"):
+        assert sum(r.metrics.accepted for r in ours) > 0, "no draft accepted: nothing was verified wide"
