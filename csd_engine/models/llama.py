@@ -47,6 +47,12 @@ DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
 # cost 2.4x the default runner at 9 (bench/forward_cost.py): 16 suits verification widths, and GPUs' GEMM tiles.
 ROW_BLOCK = 16
+# Widest chain forward whose attention runs on ops.decode_attention on the CPU: decoding and
+# verification widths. Longer ones (prompt prefills, which every method runs alike) keep SDPA's
+# tiled kernel: the op holds each token's scores whole (tokens x heads x keys floats) and fell
+# behind from ~1500 tokens (Qwen 1.5B prefill of 1000 tokens 3.9 s against SDPA's 4.1, of 2000
+# tokens 12.0 against 10.0; ad hoc, in-process, interleaved).
+CPU_ATTENTION_MAX_TOKENS = 64
 KV_ROUND = 64  # batch-invariant mode: SDPA's key range rounded up to a multiple of this
 INVARIANT_SPLIT = 512  # KV slots per attention split in batch-invariant mode (fixed by the capacity only)
 INVARIANT_BLOCK_ROWS = 16  # (query token, head) rows per attention tile in batch-invariant mode: any step width
@@ -213,9 +219,11 @@ class LlamaRunner(Runner):
 
     def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
         """The extension's attention (ops.decode_attention) takes this forward: a chain (no tree)
-        on the CPU, outside batch-invariant mode. It computes each token as it does a token
-        decoded alone, so a token's logits do not depend on the forward's width."""
-        return self.cpu_layer_ops and batch.tree_mask is None and not self.row_block
+        of up to CPU_ATTENTION_MAX_TOKENS tokens on the CPU, outside batch-invariant mode. It
+        computes each token as it does a token decoded alone, so a token's logits do not depend
+        on the forward's width."""
+        return (self.cpu_layer_ops and batch.tree_mask is None and not self.row_block
+                and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS)
 
     def _one_query_on_cpu(self, n: int) -> bool:
         """One new token per row on the CPU, outside batch-invariant mode, without the extension:
