@@ -292,14 +292,16 @@ def rope_and_cache(qkv, positions, inv_freq, scaling: float, k_cache, v_cache, l
                                                q_heads, kv_heads, head_dim)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """Attention of n new tokens per row, q [B, n, Hq, D], causal: token t of row b over cache
-    slots 0..lengths[b] + t (its committed prefix, the new tokens before it and itself) of
-    k_cache / v_cache [B, Hkv, S, D], in fp32; returns q's shape and dtype (zeros for a padded
-    row, length -1). No mask to build: the lengths say what each token sees. Each token is
-    computed exactly as when it is the call's only one, so its output does not depend on n."""
-    return torch.ops.csd_engine.decode_attention(q, k_cache, v_cache, lengths)
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of n new tokens per row, q [B, n, Hq, D], written at cache slots lengths[b]..:
+    token t of row b sees slots 0..lengths[b] - 1 (its committed prefix) and the new tokens
+    0..t, or those its row of tree_mask [B, n, n] bool marks (a tree node: its ancestors and
+    itself), of k_cache / v_cache [B, Hkv, S, D], in fp32; returns q's shape and dtype (zeros for
+    a padded row, length -1). No mask over the cache to build. Each token is computed exactly as a
+    lone token whose keys sit at consecutive slots, so its output depends on neither n nor, for
+    a tree node, where its ancestors sit."""
+    return torch.ops.csd_engine.decode_attention(q, k_cache, v_cache, lengths, tree_mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -318,7 +320,7 @@ if _HAS_CPU_LAYER_OPS:
         return qkv.new_empty(qkv.shape[0], qkv.shape[1], q_heads, head_dim)
 
     @torch.library.register_fake("csd_engine::decode_attention")
-    def _decode_attention_fake(q, k_cache, v_cache, lengths):
+    def _decode_attention_fake(q, k_cache, v_cache, lengths, tree_mask=None):
         return torch.empty_like(q)
 
     @torch.library.register_fake("csd_engine::silu_mul")

@@ -3,9 +3,10 @@
 //                                     (without delta the second output is empty: the sum is h)
 //   rope_and_cache(qkv, positions, inv_freq, scaling, k_cache!, v_cache!, lengths, Hq, Hkv, D) -> q
 //                                                                 kernels/rope.py's semantics
-//   decode_attention(q, k_cache, v_cache, lengths) -> out         n new tokens per row, causal:
-//                                     token t sees slots 0..lengths[b] + t (a row of length -1,
-//                                     padding, gets zeros)
+//   decode_attention(q, k_cache, v_cache, lengths, tree_mask?) -> out
+//                                     n new tokens per row after lengths[b] cached ones: token t
+//                                     sees those and new tokens 0..t, or those its tree_mask row
+//                                     marks (a row of length -1, padding, gets zeros)
 //   silu_mul(gate_up) -> silu(gate) * up
 //
 // Why: decoding on a CPU is a few large matmuls per layer and some 50 small PyTorch ops around
@@ -190,7 +191,7 @@ at::Tensor rope_and_cache_cpu(const at::Tensor& qkv, const at::Tensor& positions
 }
 
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& lengths) {
+                                const at::Tensor& lengths, const std::optional<at::Tensor>& tree_mask) {
   check_float("decode_attention", "q", q);
   TORCH_CHECK_VALUE(q.dim() == 4 && q.size(1) >= 1, "decode_attention: q must be [B, n, q_heads, head_dim], got ",
                     q.sizes());
@@ -207,11 +208,29 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                     "decode_attention: q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK_VALUE(lengths.sizes() == at::IntArrayRef({b}) && lengths.scalar_type() == at::kLong,
                     "decode_attention: lengths must be int64 [", b, "], got ", lengths.sizes());
+  if (tree_mask.has_value()) {
+    TORCH_CHECK_VALUE(tree_mask->sizes() == at::IntArrayRef({b, n, n}) && tree_mask->scalar_type() == at::kBool,
+                      "decode_attention: tree_mask must be bool [", b, ", ", n, ", ", n, "], got ",
+                      tree_mask->scalar_type(), " ", tree_mask->sizes());
+  }
   const at::Tensor lens = lengths.contiguous();
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   for (int64_t row = 0; row < b; ++row) {
     TORCH_CHECK_VALUE(lp[row] + n <= capacity, "decode_attention: row ", row, "'s new tokens sit in slots ", lp[row],
                       "..", lp[row] + n - 1, ", past a cache of ", capacity, " slots");
+  }
+  // per row and token, the new tokens it sees in slot order (a chain: 0..t; a tree: its mask row)
+  std::vector<int64_t> seen(b * n * n), seen_count(b * n);
+  const at::Tensor mask = tree_mask.has_value() ? tree_mask->contiguous() : at::Tensor();
+  const bool* mp = tree_mask.has_value() ? mask.const_data_ptr<bool>() : nullptr;
+  for (int64_t row = 0; row < b; ++row) {
+    for (int64_t t = 0; t < n; ++t) {
+      int64_t count = 0;
+      for (int64_t u = 0; u < n; ++u) {
+        if (mp ? mp[(row * n + t) * n + u] : u <= t) seen[(row * n + t) * n + count++] = u;
+      }
+      seen_count[row * n + t] = count;
+    }
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -224,18 +243,19 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     at::parallel_for(0, b * kv_heads, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scratch;
       for (int64_t task = lo; task < hi; ++task) {
-        const int64_t row = task / kv_heads, head = task % kv_heads, keys = lp[row] + 1;
+        const int64_t row = task / kv_heads, head = task % kv_heads, prefix = lp[row];
         const int64_t q_offset = row * n * token_stride + head * group * head_dim;
-        if (keys <= 0) {  // a padded row of the graph runner (length -1) sees nothing: zeros
+        if (prefix < 0) {  // a padded row of the graph runner (length -1) sees nothing: zeros
           for (int64_t t = 0; t < n; ++t)
             std::fill(op + q_offset + t * token_stride, op + q_offset + t * token_stride + group * head_dim,
                       scalar_t(0));
           continue;
         }
-        scratch.resize(baseline::attend_scratch(keys, n, group, head_dim));
+        scratch.resize(baseline::attend_scratch(prefix, n, group, head_dim));
         const int64_t offset = row * k_cache.stride(0) + head * k_cache.stride(1);
-        CSD_ISA_CALL(attend_tokens, qp + q_offset, token_stride, kp + offset, vp + offset, k_cache.stride(2), keys, n,
-                     group, head_dim, op + q_offset, token_stride, scratch.data());
+        CSD_ISA_CALL(attend_tokens, qp + q_offset, token_stride, kp + offset, vp + offset, k_cache.stride(2), prefix,
+                     n, seen.data() + row * n * n, seen_count.data() + row * n, group, head_dim, op + q_offset,
+                     token_stride, scratch.data());
       }
     });
   });
@@ -269,7 +289,7 @@ TORCH_LIBRARY_FRAGMENT(csd_engine, m) {
   m.def("add_rmsnorm(Tensor h, Tensor weight, float eps, Tensor? delta=None) -> (Tensor, Tensor)");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor inv_freq, float scaling, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor lengths, int q_heads, int kv_heads, int head_dim) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, Tensor? tree_mask=None) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 

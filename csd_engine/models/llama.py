@@ -9,10 +9,11 @@ residual add fused with each RMSNorm and RoPE with the KV-cache write, taking a 
 launches to ~12. On CUDA these are Triton kernels (kernels/rmsnorm.py, kernels/rope.py): on an
 H100 (bench/gpu.py forward_profile, README) a graphed Llama-2-7B decoding forward takes 6.0 ms
 fused against 7.8 ms plain. On the CPU they are the extension's C++ ops (csrc/decode_cpu.cpp),
-with the activation and the attention of chain forwards as well: a layer is its matmuls and five
-other ops. That attention computes each new token as if it were decoded alone, and the CPU
-matmul kernels compute each row alone, so on the CPU a token's logits do not depend on the
-forward's width: greedy speculative decoding emits plain decoding's tokens exactly.
+with the activation and the attention of decoding and verification forwards (chains and trees)
+as well: a layer is its matmuls and five other ops. That attention computes each new token as if
+it were decoded alone after the same keys, and the CPU matmul kernels compute each row alone, so
+on the CPU a token's logits do not depend on the forward's width or its place in a tree: greedy
+speculative decoding emits plain decoding's tokens exactly.
 The fused path is tested against the PyTorch one on both.
 
 `quantize="int8" | "int4" | "int4gG"` (models/quant.py) stores the qkv, o, gate_up and down
@@ -47,7 +48,7 @@ DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
 # cost 2.4x the default runner at 9 (bench/forward_cost.py): 16 suits verification widths, and GPUs' GEMM tiles.
 ROW_BLOCK = 16
-# Widest chain forward whose attention runs on ops.decode_attention on the CPU: decoding and
+# Widest forward whose attention runs on ops.decode_attention on the CPU: decoding and
 # verification widths. Longer ones (prompt prefills, which every method runs alike) keep SDPA's
 # tiled kernel: the op holds each token's scores whole (tokens x heads x keys floats) and fell
 # behind from ~1500 tokens (Qwen 1.5B prefill of 1000 tokens 3.9 s against SDPA's 4.1, of 2000
@@ -218,12 +219,11 @@ class LlamaRunner(Runner):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
 
     def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
-        """The extension's attention (ops.decode_attention) takes this forward: a chain (no tree)
-        of up to CPU_ATTENTION_MAX_TOKENS tokens on the CPU, outside batch-invariant mode. It
-        computes each token as it does a token decoded alone, so a token's logits do not depend
-        on the forward's width."""
-        return (self.cpu_layer_ops and batch.tree_mask is None and not self.row_block
-                and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS)
+        """The extension's attention (ops.decode_attention) takes this forward: up to
+        CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) on the CPU, outside batch-invariant
+        mode. It computes each token as it does a token decoded alone after the same keys, so a
+        token's logits do not depend on the forward's width or on its place in a tree."""
+        return self.cpu_layer_ops and not self.row_block and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS
 
     def _one_query_on_cpu(self, n: int) -> bool:
         """One new token per row on the CPU, outside batch-invariant mode, without the extension:
@@ -238,7 +238,7 @@ class LlamaRunner(Runner):
             block_rows = INVARIANT_BLOCK_ROWS if self.row_block else None
             return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
         if self._cpu_attention_op(batch):
-            return ops.decode_attention(q, k_all, v_all, lengths)
+            return ops.decode_attention(q, k_all, v_all, lengths, batch.tree_mask)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
         if self._one_query_on_cpu(q.shape[1]):
