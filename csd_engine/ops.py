@@ -49,8 +49,23 @@ _TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
 _BF16_LINEAR_DEVICES = _devices_with_kernel("csd_engine::bf16_linear")
 _INT8_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int8_linear")
 _INT4_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int4_linear")
+def _has_argument(op_name: str, argument: str) -> bool:
+    """Whether the registered op's schema names `argument` (an extension built from older
+    sources registers older schemas)."""
+    namespace, name = op_name.split("::")
+    try:
+        schema = getattr(getattr(torch.ops, namespace), name).default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(a.name == argument for a in schema.arguments)
+
+
 _CPU_LAYER_OPS = ("add_rmsnorm", "rope_and_cache", "decode_attention", "silu_mul")
 _HAS_CPU_LAYER_OPS = all("cpu" in _devices_with_kernel(f"csd_engine::{name}") for name in _CPU_LAYER_OPS)
+if _HAS_CPU_LAYER_OPS and not _has_argument("csd_engine::decode_attention", "tree_mask"):
+    warnings.warn("csd_engine._C was built from older sources (its decode_attention takes no tree_mask): its CPU "
+                  "layer ops stay off until it is rebuilt (python setup.py build_ext --inplace)", RuntimeWarning)
+    _HAS_CPU_LAYER_OPS = False
 
 
 @functools.cache

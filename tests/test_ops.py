@@ -192,6 +192,16 @@ assert first[2][0, 3].tolist() == [0, 1, 3, -1, -1]
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(not ops.cpu_layer_ops_run(), reason="csd_engine._C has no CPU layer ops")
+def test_an_extension_from_older_sources_is_told_apart():
+    """The CPU layer ops are used only where the built op has the arguments the runner passes:
+    an extension built before decode_attention took tree_mask would fail every forward, so the
+    package then keeps them off (with a warning to rebuild) instead."""
+    assert ops._has_argument("csd_engine::decode_attention", "tree_mask")
+    assert not ops._has_argument("csd_engine::decode_attention", "no_such_argument")
+    assert not ops._has_argument("csd_engine::no_such_op", "tree_mask")
+
+
 @pytest.mark.gpu
 @needs_extension
 def test_cuda_matches_cpu(seed):
