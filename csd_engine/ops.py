@@ -8,7 +8,8 @@ int4_linear(x, packed, scales_zeros, group, bias) -> the same for a grouped int4
 with AVX-512 BF16 (csrc/int4_linear.cpp), where int4_kernel_runs.
 add_rmsnorm, rope_and_cache, decode_attention, silu_mul: the native runner's work between its
 matmuls on the CPU (csrc/decode_cpu.cpp), where cpu_layer_ops_run(); their references are
-kernels/rmsnorm.py's, kernels/rope.py's, models/llama.py's one_query_attention and F.silu(gate) * up.
+kernels/rmsnorm.py's, kernels/rope.py's, attention under kernels/mask.py's attention_mask (chain or
+tree) and F.silu(gate) * up.
 
 The extension is optional: without it (or without a kernel for the input's device) every op runs
 its reference, after one warning.
@@ -49,6 +50,8 @@ _TREE_MASK_DEVICES = _devices_with_kernel("csd_engine::build_tree_mask")
 _BF16_LINEAR_DEVICES = _devices_with_kernel("csd_engine::bf16_linear")
 _INT8_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int8_linear")
 _INT4_LINEAR_DEVICES = _devices_with_kernel("csd_engine::int4_linear")
+
+
 def _has_argument(op_name: str, argument: str) -> bool:
     """Whether the registered op's schema names `argument` (an extension built from older
     sources registers older schemas)."""
