@@ -12,7 +12,9 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
 * calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each),
   MaG calls (one launch), drafter forwards (a CUDA-graph replay each when graphed);
 * launches: strategy kernels + 4 x verifier calls + MaG calls, the kernel launches a step
-  issues besides its model forwards.
+  issues besides its model forwards;
+* drafter tokens: positions per row that the step's drafter forwards compute (their host-known
+  widths, padding included), the drafters' share of the step's GPU work.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
 
     python bench/host_work.py [--tokens 32] [--out DIR]
@@ -111,13 +113,17 @@ class Counted:
             def read(name):
                 self.counts["host_reads"] += 1
 
-            with reading_python_values(read), Counting(self.counts):
-                return fn(*args, **kwargs)
+            self.counts["inside"] = 1  # count_calls counts while this is set
+            try:
+                with reading_python_values(read), Counting(self.counts):
+                    return fn(*args, **kwargs)
+            finally:
+                self.counts["inside"] = 0
         return run
 
 
 def count_calls(engine: Engine, counts: Counter):
-    """Counts verifier and MaG calls (while the counter runs: inside steps only)."""
+    """Counts verifier and MaG calls and the drafters' forward widths (inside steps only)."""
     verifier = engine.verifier
     for name in ("chain", "tree"):
         original = getattr(verifier, name)
@@ -127,7 +133,14 @@ def count_calls(engine: Engine, counts: Counter):
             return _original(*args, **kwargs)
         setattr(verifier, name, wrapped)
     for drafter in engine.drafters:
-        if isinstance(drafter, MaG):
+        if not isinstance(drafter, MaG):
+            original = drafter.forward
+
+            def forward(batch, _original=original):
+                counts["drafter_tokens"] += batch.input_ids.shape[1] * counts["inside"]  # not prefills
+                return _original(batch)
+            drafter.forward = forward
+        else:
             original = drafter.propose
 
             def propose(*args, _original=original, **kwargs):
@@ -150,7 +163,8 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     steps = max(counts["steps"], 1)
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps
-                for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "mag_calls")}
+                for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "mag_calls",
+                            "drafter_tokens")}
     per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
                             + per_step["mag_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
@@ -158,6 +172,7 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
                 strategy_kernels_per_step=per_step["strategy_kernels"],
                 verifier_calls_per_step=per_step["verifier_calls"], mag_calls_per_step=per_step["mag_calls"],
                 drafter_forwards_per_step=sum(first.drafter_forwards) / max(first.target_forwards, 1),
+                drafter_tokens_per_step=per_step["drafter_tokens"],
                 launches_per_step=per_step["launches"],
                 model_ops_per_step=counts["model"] / steps)
 
@@ -189,6 +204,7 @@ def main(argv=None):
                        ("strategy_kernels_per_step", "of them kernels", ".0f"),
                        ("verifier_calls_per_step", "verify calls", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
                        ("drafter_forwards_per_step", "drafter fwd", ".1f"),
+                       ("drafter_tokens_per_step", "drafter tokens", ".1f"),
                        ("launches_per_step", "launches", ".0f")])
     harness.finish(path, args)
 

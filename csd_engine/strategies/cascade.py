@@ -290,7 +290,7 @@ class CascadeDecoder(Decoder):
         goal = length
         for source in level.sources:
             goal = goal + work.budgets[source.index]
-            for _ in range(min(source.calls, work.rounds.get(source.index, source.calls))):
+            for call in range(min(source.calls, work.rounds.get(source.index, source.calls))):
                 need = (length < goal) & rows
                 if source.below is None:
                     m = work.width if level is self.levels else self.mag_tokens
@@ -298,7 +298,10 @@ class CascadeDecoder(Decoder):
                     grown += m
                 else:
                     sub = self._draft(state, work, source.below, length, need, grown)
-                    length = self._review(state, work, source, length, sub, need, grown)
+                    # after its first call the drafter's cache holds every row's sequence but its
+                    # last token (its sub-cascade holds lower drafters only): its trail is 1
+                    trail = 1 if call else work.lag + grown + 1
+                    length = self._review(state, work, source, length, sub, need, trail)
                     grown += source.below.max_growth + 1
         return length
 
@@ -311,19 +314,25 @@ class CascadeDecoder(Decoder):
         self._write(state, work, source, length, proposal.tokens, col < keep[:, None], None)
         return length + keep
 
-    def _review(self, state, work: Working, source: Source, mark, sub_len, need, grown: int):
+    def _review(self, state, work: Working, source: Source, mark, sub_len, need, trail: int):
         """Drafter `source.drafter` reviews the tokens [mark, sub_len) its sub-cascade proposed;
         the working sequence keeps the accepted ones plus its correction / bonus (rows in
-        `need` only; the others review nothing and change nothing)."""
+        `need` only; the others review nothing and change nothing). `trail`: host bound on how
+        far the drafter's cache trails `mark` (the forward's width is trail + the draft's bound);
+        afterwards its cache holds every row's sequence but the last token."""
         model = self.models.drafters[source.drafter]
         width = source.below.max_growth  # host bound on sub_len - mark
         drafted = sub_len - mark  # 0 for rows not in need: their sub-cascade grew nothing
         before = mark - 1  # recompute the logits at the last token before the draft
         model.cache.rollback(before)
         feed_from = model.cache.lengths  # not a copy: read before the reset below
-        fed = work.lag + grown + 1 + width  # host bound on sub_len - feed_from
+        fed = trail + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
-            fed = max(1, min(fed, int((sub_len - feed_from).max())))
+            needed = int((sub_len - feed_from).max())
+            if needed > fed:  # free to check here: a wrong bound would leave cache slots never computed
+                raise RuntimeError(f"cascade review: drafter {source.drafter}'s cache trails by {needed} tokens, "
+                                   f"past the plan's bound {fed}")
+            fed = max(1, needed)
         cols = feed_from[:, None] + self.offsets[None, :fed]
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
