@@ -1,4 +1,5 @@
 """Sampling parameters: one per request, validated on construction."""
+import operator
 from dataclasses import dataclass
 
 
@@ -47,7 +48,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
-            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+            ids = _token_ids(self.stop_token_ids)
+            if ids is None:
+                raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+            self.stop_token_ids = ids
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if self.stop is not None:
@@ -61,3 +65,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _token_ids(values) -> tuple[int, ...] | None:
+    """values as a tuple of ints >= 0 (Python or NumPy ints, not bools or floats), or None."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return None
+    values = list(values)
+    if any(isinstance(t, bool) for t in values):
+        return None
+    try:
+        ids = tuple(operator.index(t) for t in values)
+    except TypeError:
+        return None
+    return ids if all(t >= 0 for t in ids) else None

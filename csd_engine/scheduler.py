@@ -216,6 +216,10 @@ class Scheduler:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.engine.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        vocab = self.engine.target.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise ValueError(f"stop_token_ids {list(params.stop_token_ids)} has ids outside the vocabulary "
+                             f"[0, {vocab})")
         ids = self.engine._encode_prompt(prompt)
         free = 0 if self.max_waiting is None else sum(r is None for r in self.slots)
         if self.max_waiting is not None and len(self.waiting) - free >= self.max_waiting:

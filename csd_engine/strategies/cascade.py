@@ -40,12 +40,11 @@ from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, co
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
 
 
-def _validate_k_matrix(k_matrix, n_drafters: int, is_mag: list[bool]) -> tuple[tuple[int, ...], ...]:
-    rows = [list(r) for r in k_matrix] if not isinstance(k_matrix, torch.Tensor) else k_matrix.tolist()
-    n = n_drafters
-    if len(rows) != n or any(len(r) != n for r in rows):
-        raise ValueError(f"K matrix must be {n}x{n} (one row and column per drafter, largest first); "
-                         f"got shape {len(rows)}x{len(rows[0]) if rows else 0}")
+def _check_k_entries(rows) -> None:
+    """K's own rules, whatever the engine: square, non-negative integers, upper-triangular."""
+    if any(len(r) != len(rows) for r in rows):
+        raise ValueError(f"K matrix must be square (n x n for n drafters, largest first); got {len(rows)} rows of "
+                         f"lengths {[len(r) for r in rows]}")
     for i, r in enumerate(rows):
         for j, v in enumerate(r):
             if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
@@ -54,6 +53,14 @@ def _validate_k_matrix(k_matrix, n_drafters: int, is_mag: list[bool]) -> tuple[t
                 raise ValueError(f"K[{i}][{j}]={v}: entries must be non-negative integers")
             if j < i and v != 0:
                 raise ValueError(f"K[{i}][{j}]={v}: K must be upper-triangular (entries below the diagonal are 0)")
+
+
+def _validate_k_matrix(rows, n_drafters: int, is_mag: list[bool]) -> tuple[tuple[int, ...], ...]:
+    """K (entries checked by Cascade) against the engine's drafters."""
+    n = n_drafters
+    if len(rows) != n:
+        raise ValueError(f"K matrix must be {n}x{n} (one row and column per drafter, largest first); "
+                         f"got {len(rows)}x{len(rows)}")
     rows = [[int(v) for v in r] for r in rows]
     if sum(rows[0]) == 0:
         raise ValueError("K row 0 sums to 0: the target would never receive a draft")
@@ -95,6 +102,7 @@ class Cascade:
         rows = self.k_matrix.tolist() if isinstance(self.k_matrix, torch.Tensor) else self.k_matrix
         if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
+        _check_k_entries(rows)
         object.__setattr__(self, "k_matrix", tuple(tuple(r) for r in rows))
         if not isinstance(self.tree, (tuple, list)) or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree):

@@ -86,6 +86,9 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: SamplingParams(top_k=-2), "top_k"),
         (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        (lambda: SamplingParams(stop_token_ids=[-1]), r"stop_token_ids must be a list of token ids \(ints >= 0\)"),
+        (lambda: SamplingParams(stop_token_ids=[2.7]), "stop_token_ids"),  # not silently made 2
+        (lambda: engine.generate([[1]], SamplingParams(stop_token_ids=[VOCAB])), rf"outside the vocabulary \[0, {VOCAB}\)"),
         (lambda: engine.generate([[1]], [SamplingParams()] * 2), "one per prompt"),
         (lambda: Engine(str(tmp_path)), "not a model folder"),
         (lambda: Engine(str(tmp_path / "missing-model")), "not a model"),

@@ -84,7 +84,9 @@ def test_sampling_follows_the_target(models, levels, temperature, lenience):
 
 
 @pytest.mark.parametrize("k,words", [
-    ([[2, 1]], "must be 2x2"),
+    ([[2, 1]], r"must be square .* got 1 rows of lengths \[2\]"),
+    ([[2, 1], [0]], r"lengths \[2, 1\]"),
+    ([[2]], r"must be 2x2 .* got 1x1"),
     ([[2, 1], [1, 2]], "upper-triangular"),
     ([[2, -1], [0, 2]], "non-negative"),
     ([[2, 1.5], [0, 2]], "non-negative integers"),
