@@ -27,8 +27,8 @@ import sys
 import torch
 
 from csd_engine import AutoCascade, Autoregressive, AutoSpeculative, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged, __version__
+from csd_engine.engine import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CUDA_GRAPHS = {"off": False, "forward": True, "step": "step"}  # --cuda-graphs -> Engine(cuda_graphs=...)
 # name -> (what builds it, the class whose keyword arguments it takes)

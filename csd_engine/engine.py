@@ -32,6 +32,34 @@ from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler,
 from csd_engine.strategies.base import Models, StepMetrics
 from csd_engine.verifier import Verifier, choose_backend
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("sdpa", "triton")
+
+
+def _checked_dtype(dtype) -> torch.dtype:
+    """A model dtype: one of DTYPES' values, or its name."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or its name: "
+                         f"{', '.join(DTYPES)}), got {dtype!r}")
+    return dtype
+
+
+def _checked_device(device, name: str = "device") -> torch.device:
+    """A CPU or an available CUDA device."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={str(device)!r}, but torch sees no CUDA device here (torch.cuda.is_available() "
+                         "is False): use 'cpu'")
+    return device
+
+
 class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
@@ -46,10 +74,14 @@ class Engine:
                             f"the extension), True or False, got {fused_kernels!r}")
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        dtype = _checked_dtype(dtype)
+        self.device = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the
         # other strategies refuse such an engine (strategies.base.require_one_device).
-        self.drafter_device = self.device if drafter_device is None else torch.device(drafter_device)
+        self.drafter_device = self.device if drafter_device is None else _checked_device(drafter_device,
+                                                                                        "drafter_device")
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

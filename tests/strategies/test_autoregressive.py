@@ -91,12 +91,16 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: engine.generate([[1]], SamplingParams(stop_token_ids=[VOCAB])), rf"outside the vocabulary \[0, {VOCAB}\)"),
         (lambda: engine.generate([[1]], [SamplingParams()] * 2), "one per prompt"),
         (lambda: Engine(str(tmp_path)), "not a model folder"),
+        (lambda: Engine(model, dtype="bf16"), r"dtype must be .* \(or its name: float32, bfloat16, float16\)"),
+        (lambda: Engine(model, device="tpu"), r"device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (lambda: Engine(model, attention_backend="flash"), r"attention_backend must be one of \('sdpa', 'triton'\)"),
         (lambda: Engine(str(tmp_path / "missing-model")), "not a model"),
     ]
     for call, words in bad:
         with pytest.raises((ValueError, TypeError), match=words):
             call()
         assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == good
+    assert Engine(model, dtype="float32", max_batch_size=1, max_seq_len=16).dtype == torch.float32  # names work too
 
 
 def test_public_api_exports():
