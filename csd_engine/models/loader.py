@@ -12,6 +12,7 @@ first L layers (an early-exit drafter, `LlamaRunner.truncated`): "qwen2.5-coder-
 A spec loads its own copy of the model; to share weights with a runner already loaded, pass
 `runner.truncated(L)` itself (a Runner is accepted wherever a spec is).
 """
+import difflib
 import logging
 import os
 import pathlib
@@ -69,6 +70,10 @@ def _load_hf(spec: str, dtype: torch.dtype):
     elif os.path.exists(spec):
         raise ValueError(f"{spec!r} is a file but not a model: pass a model folder or a .gguf file")
     else:
+        near = difflib.get_close_matches(spec.lower(), [*zoo.MODELS, "mag"], n=1, cutoff=0.8)
+        if near and "/" not in spec:  # a typo, not a hub id: say so now, not after the hub's retries
+            raise ValueError(f"{spec!r} is not a model: did you mean {near[0]!r}? (zoo names: {', '.join(zoo.MODELS)}; "
+                             "'mag' for the MaG drafter; or a model folder, a .gguf file or a hub id)")
         folder, extra = _split_revision(spec)
     try:
         if spec.endswith(".gguf"):

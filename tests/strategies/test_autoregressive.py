@@ -93,6 +93,8 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: Engine(str(tmp_path)), "not a model folder"),
         (lambda: Engine(model, dtype="bf16"), r"dtype must be .* \(or its name: float32, bfloat16, float16\)"),
         (lambda: Engine(model, device="tpu"), r"device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (lambda: Engine(model, drafters=["magg"]), r"did you mean 'mag'\?"),  # at once, not after hub retries
+        (lambda: Engine("qwen2.5-coder-1.5"), r"did you mean 'qwen2.5-coder-1.5b'\?"),
         (lambda: Engine(model, attention_backend="flash"), r"attention_backend must be one of \('sdpa', 'triton'\)"),
         (lambda: Engine(str(tmp_path / "missing-model")), "not a model"),
     ]
