@@ -6,8 +6,9 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
 * host reads: ops that move values to Python (`.item()`, `bool(t)`, `nonzero`, `.tolist()`,
   ...) inside the step. The design is 0 (the engine's one `read_host` per step is outside it);
   tests/strategies/test_host_reads.py asserts it, this table shows it;
-* strategy ops: tensor ops the strategy code dispatches itself (model forwards, verification
-  and MaG excluded), each some microseconds of host time; of them, strategy kernels: those
+* strategy ops: tensor ops a step dispatches outside its model forwards, verifier calls and MaG
+  proposals (the strategy's code, the engine's helpers, a runner's non-finite check, the random
+  streams' seed mixing), each some microseconds of host time; of them, strategy kernels: those
   that launch a kernel on a GPU (views and `empty` launch none);
 * calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each),
   MaG calls (one launch), drafter forwards (a CUDA-graph replay each when graphed);
@@ -59,35 +60,20 @@ DRY_RUN = ("autoregressive", "cascade [[4,2],[0,4]] l=2")
 MODES = {"greedy": dict(), "top-k/top-p": dict(temperature=0.8, top_k=20, top_p=0.9, seed=1)}
 
 
-def category(frame) -> str:
-    """Which layer dispatched an op: the model, MaG, verification / sampling, or the strategy."""
-    seen = set()
-    while frame is not None:
-        path = frame.f_code.co_filename.replace(os.sep, "/")
-        if "/csd_engine/models/" in path:
-            return "model"
-        if path.endswith("/drafters/mag.py"):
-            seen.add("mag")
-        elif "/kernels/" in path or path.endswith("/csd_engine/verifier.py"):
-            seen.add("verify")
-        elif "/csd_engine/" in path:
-            seen.add("strategy")
-        frame = frame.f_back
-    for name in ("mag", "verify", "strategy"):
-        if name in seen:
-            return name
-    return "other"
-
-
 class Counting(TorchDispatchMode):
-    def __init__(self, counts: Counter):
+    """Counts every op dispatched while a step or plan runs, by the call it runs in: a model
+    forward, a verifier call or a MaG proposal (each one graph replay or Triton launch on a GPU),
+    or none of them: the strategy's own ops, wherever they are written (the engine's helpers, a
+    runner's non-finite check, the random streams' seed mixing)."""
+
+    def __init__(self, counts: Counter, context: list):
         super().__init__()
-        self.counts = counts
+        self.counts, self.context = counts, context
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if is_host_read(func, args):
             self.counts["host_reads"] += 1
-        where = category(sys._getframe(1))
+        where = self.context[-1]
         self.counts[where] += 1
         if where == "strategy" and not func.is_view and func.overloadpacket not in NO_KERNEL:
             self.counts["strategy_kernels"] += 1
@@ -97,8 +83,8 @@ class Counting(TorchDispatchMode):
 class Counted:
     """A strategy whose decoder's `step` and `plan` run under the counter."""
 
-    def __init__(self, strategy, counts: Counter):
-        self.strategy, self.counts = strategy, counts
+    def __init__(self, strategy, counts: Counter, context: list):
+        self.strategy, self.counts, self.context = strategy, counts, context
 
     def decoder(self, models):
         decoder = self.strategy.decoder(models)
@@ -113,40 +99,40 @@ class Counted:
             def read(name):
                 self.counts["host_reads"] += 1
 
-            self.counts["inside"] = 1  # count_calls counts while this is set
+            self.context.append("strategy")  # count_calls counts while this is the innermost context
             try:
-                with reading_python_values(read), Counting(self.counts):
+                with reading_python_values(read), Counting(self.counts, self.context):
                     return fn(*args, **kwargs)
             finally:
-                self.counts["inside"] = 0
+                self.context.pop()
         return run
 
 
-def count_calls(engine: Engine, counts: Counter):
-    """Counts verifier and MaG calls and the drafters' forward widths (inside steps only)."""
-    verifier = engine.verifier
+def count_calls(engine: Engine, counts: Counter, context: list):
+    """Marks the calls that run as whole kernels on a GPU (model forwards, verifier calls, MaG
+    proposals) as the context of the ops inside them, and counts them and the drafters'
+    forward widths (inside steps and plans only: not prefills)."""
+    def wrap(obj, name, part, count=None):
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            if context[-1] == "strategy" and count is not None:
+                count(*args)
+            context.append(part)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                context.pop()
+        setattr(obj, name, wrapped)
+
     for name in ("chain", "tree"):
-        original = getattr(verifier, name)
-
-        def wrapped(*args, _original=original, **kwargs):
-            counts["verifier_calls"] += 1
-            return _original(*args, **kwargs)
-        setattr(verifier, name, wrapped)
+        wrap(engine.verifier, name, "verify", lambda *a: counts.update(["verifier_calls"]))
+    wrap(engine.target, "forward", "model")
     for drafter in engine.drafters:
-        if not isinstance(drafter, MaG):
-            original = drafter.forward
-
-            def forward(batch, _original=original):
-                counts["drafter_tokens"] += batch.input_ids.shape[1] * counts["inside"]  # not prefills
-                return _original(batch)
-            drafter.forward = forward
+        if isinstance(drafter, MaG):
+            wrap(drafter, "propose", "mag", lambda *a: counts.update(["mag_calls"]))
         else:
-            original = drafter.propose
-
-            def propose(*args, _original=original, **kwargs):
-                counts["mag_calls"] += 1
-                return _original(*args, **kwargs)
-            drafter.propose = propose
+            wrap(drafter, "forward", "model", lambda batch: counts.update({"drafter_tokens": batch.input_ids.shape[1]}))
 
 
 def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict:
@@ -157,9 +143,9 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     prompts = [[(7 * row + 3 * i) % 90 + 1 for i in range(12 + 3 * row)] for row in range(batch)]
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, **MODES[mode])
     engine.generate(prompts, params, strategy=strategy)  # warm-up: nothing cached in the counts
-    counts = Counter()
-    count_calls(engine, counts)
-    results = engine.generate(prompts, params, strategy=Counted(strategy, counts))
+    counts, context = Counter(), ["outside"]
+    count_calls(engine, counts, context)
+    results = engine.generate(prompts, params, strategy=Counted(strategy, counts, context))
     steps = max(counts["steps"], 1)
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps

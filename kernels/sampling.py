@@ -313,8 +313,8 @@ def processed_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def probs_ref(z: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """processed_ref's output [R, V], [R], [R] -> p [R, V] float32."""
-    return torch.where(z >= threshold[:, None], torch.exp(z - lse[:, None]), 0.0)
+    """processed_ref's output [..., V], [...], [...] -> p [..., V] float32."""
+    return torch.where(z >= threshold[..., None], torch.exp(z - lse[..., None]), 0.0)
 
 
 def check_settings(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,

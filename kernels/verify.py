@@ -358,8 +358,8 @@ def _draft_distribution(draft_tokens, draft_probs, rows, position, vocab):
 
 
 def _one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R] int -> [R, V] float32; F.one_hot would read the indices' range back to the host to check it."""
-    return (index[:, None] == torch.arange(vocab, device=index.device)).float()
+    """[...] int -> [..., V] float32; F.one_hot would read the indices' range back to the host to check it."""
+    return (index[..., None] == torch.arange(vocab, device=index.device)).float()
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor, lenience: torch.Tensor):
@@ -467,23 +467,23 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
                   check_values=check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
-    lenience = _lenience_rows(lenience, batch, device)[:, None]
+    lenience = _lenience_rows(lenience, batch, device)[:, None, None]
     sampling = temperature > 0
-    divisor = torch.where(sampling, temperature.float(), 1.0)[:, None]
-    drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]
+    divisor = torch.where(sampling, temperature.float(), 1.0)[:, None, None]
+    # every position at once ([B, k+1, V]): a fixed ~25 ops per call, not per position (each a
+    # kernel launch on a GPU)
+    p = probs_ref(logits.float() / divisor, result.threshold, result.lse)
+    drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]  # [B, k]
     tokens = torch.where(drafted, draft_tokens.long(), 0)
-    every_row = torch.arange(batch, device=device)
-    emitted = torch.zeros(batch, positions, vocab, device=device)
-    for j in range(positions):
-        e = probs_ref(logits[:, j].float() / divisor, result.threshold[:, j], result.lse[:, j])
-        emitted_token = result.next_token
-        if j < positions - 1:
-            accepted_part, residual = _residual(e, _draft_distribution(tokens, draft_probs, every_row, j, vocab),
-                                                lenience)
-            r = normalised_residual(residual, e)
-            e = torch.where(drafted[:, j, None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r, e)
-            emitted_token = torch.where(j < result.num_accepted, tokens[:, j], result.next_token)
-        greedy_e = _one_hot(emitted_token, vocab)
-        e = torch.where(sampling[:, None], e, greedy_e)
-        emitted[:, j] = torch.where((j <= result.num_accepted)[:, None], e, 0.0)
-    return emitted
+    q = draft_probs[:, :positions - 1].float() if draft_probs is not None else _one_hot(tokens, vocab)
+    accepted_part, residual = _residual(p[:, :-1], q, lenience)
+    r = normalised_residual(residual, p[:, :-1])
+    at_drafts = torch.where(drafted[..., None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r,
+                            p[:, :-1])
+    e = torch.cat([at_drafts, p[:, -1:]], 1)
+    position = torch.arange(positions, device=device)
+    accepted = result.num_accepted[:, None]
+    emitted_token = torch.where(position[:-1] < accepted, tokens, result.next_token[:, None])
+    greedy_e = _one_hot(torch.cat([emitted_token, result.next_token[:, None]], 1), vocab)
+    e = torch.where(sampling[:, None, None], e, greedy_e)
+    return torch.where((position <= accepted)[..., None], e, 0.0)

@@ -70,12 +70,16 @@ class DecodeState:
         self.max_top_k, self.want_logprobs = None, False
         self.metrics.reset_rows(torch.ones_like(self.active))
 
-    def sampling_args(self, stream: int | torch.Tensor = 0) -> dict:
+    def sampling_args(self, stream: int | torch.Tensor = 0, seed: torch.Tensor | None = None) -> dict:
         """Per-row arguments of the verification kernels, with an independent random stream
-        per `stream` id (an int, or a [B] tensor of per-row ids), and the host-known hints that
-        keep the PyTorch references free of host reads (no value checks on the hot path)."""
+        per `stream` id (an int, or a [B] tensor of per-row ids) or the caller's own stream
+        seeds (`seed`, [B]: stream_seed's values, derived ahead), and the host-known hints that
+        keep the PyTorch references free of host reads (no value checks on the hot path). An
+        all-greedy step draws no random number: its seeds go unmixed (the mix is ~20 kernels)."""
+        if seed is None:
+            seed = self.seed if self.all_greedy else stream_seed(self.seed, stream)
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                    seed=stream_seed(self.seed, stream), offset=self.offset, check_values=False,
+                    seed=seed, offset=self.offset, check_values=False,
                     filtered=self.any_filtered, max_top_k=self.max_top_k, all_greedy=self.all_greedy)
 
 

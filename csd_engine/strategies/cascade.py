@@ -25,19 +25,26 @@ function of the prefix alone (a deterministic child of the tree rule): lossless 
 temperature. After a branch wins, every drafter rolls back to where the path left the trunk.
 
 Random numbers: a row's review r at drafter d draws from stream 1 + 1024 (d + 1) + r, r
-counted per row, so a row's tokens never depend on what else shares the batch.
+counted per row, so a row's tokens never depend on what else shares the batch. A step derives
+the seeds of every review it can run at once (Working.seeds), not one review at a time.
 """
 from dataclasses import dataclass
 
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.kernels.random import stream_seed
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
 from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, one_hot,
                                         require_one_device, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
+
+
+def _reviews_per_step(level: Level) -> int:
+    """Host bound on the reviews one row has in a step of this plan (any drafter's)."""
+    return sum(s.calls * (1 + _reviews_per_step(s.below)) for s in level.sources if s.below is not None)
 
 
 def _check_k_entries(rows) -> None:
@@ -141,6 +148,7 @@ class Working:
     mag_caps: list  # per source (Source.index): [B] tokens one MaG call may add to a row (None: neural)
     q: torch.Tensor | None  # [B, max_width + 1, V] proposal of each draft slot, then a scratch slot (None: all greedy)
     reviews: torch.Tensor  # [B] reviews each row had this step (its random stream ids)
+    seeds: dict | None  # neural drafter -> [B, reviews per step] its reviews' stream seeds (None: all greedy)
     lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
     rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
     width: int  # host bound on this step's draft (the widest active row's plan)
@@ -178,6 +186,8 @@ class CascadeDecoder(Decoder):
         self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.max_width + 1)} \
             if self.tree else {}
         self.scratch_slot = torch.tensor(self.max_width, device=models.device)  # work.q's and origin's last slot
+        reviews = _reviews_per_step(plan)  # stream ids of each drafter's reviews 0, 1, ... in a step
+        self.review_streams = {d: torch.arange(reviews, device=models.device) + 1 + 1024 * (d + 1) for d in self.neural}
         self._k_rows = None  # _k_plan's two plan rows, per batch size
 
     # -- the plan each step reads ---------------------------------------------------------------
@@ -288,7 +298,9 @@ class CascadeDecoder(Decoder):
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
-        return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev),
+        seeds = None if state.all_greedy else {d: stream_seed(state.seed[:, None], streams[None, :])
+                                               for d, streams in self.review_streams.items()}
+        return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev), seeds,
                        max(columns[:n]), rounds, width, alt, origin)
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
@@ -350,9 +362,11 @@ class CascadeDecoder(Decoder):
         logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
         drafts = ids.gather(1, rel[:, 1:])  # tokens mark .. mark+width-1 (what was fed; past sub_len: padding)
         q = None if work.q is None else self._q_at(work, mark, width)
-        args = state.sampling_args(1 + 1024 * (source.drafter + 1) + work.reviews)
-        res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience, **args)
-        work.reviews += need
+        seed = None if work.seeds is None else work.seeds[source.drafter].gather(1, work.reviews[:, None])[:, 0]
+        res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience,
+                                         **state.sampling_args(seed=seed))
+        if work.seeds is not None:
+            work.reviews += need
         accepted = res.num_accepted.to(torch.int64)  # 0 where drafted is (rows not in need)
         end = mark + accepted  # the correction / bonus slot
         state.metrics.count_drafter(source.drafter)
@@ -370,7 +384,7 @@ class CascadeDecoder(Decoder):
         roll_back_drafters(self.models.drafters, at)
         if work.alt is not None:
             self._record_candidates(work, logits, mark - work.base, accepted, need)
-        return torch.where(need, end + 1, mark)
+        return end + need  # rows not in need accepted nothing: end is their mark
 
     def _window(self, state, start, width: int) -> torch.Tensor:
         cols = (start[:, None] + self.offsets[:width]).clamp(max=state.tokens.shape[1] - 1)
