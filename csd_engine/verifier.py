@@ -35,6 +35,7 @@ class Verifier:
         self._chain_kernel, self._chain_ref = verify.verify, verify.verify_ref
         self.emitted_distribution = verify.emitted_distribution
         self.reviewer_probs = verify.reviewer_probs
+        self.sampled_distribution = verify.sampled_distribution
 
     def _kernel_for(self, tensor: torch.Tensor) -> bool:
         return self.backend == "triton" and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

@@ -447,6 +447,16 @@ def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs.reshape(logits.shape)
 
 
+def sampled_distribution(logits: torch.Tensor, temperature: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+    """[B, V] float32: what a check without drafts (logits [B, V] as its one position) drew its
+    token from: p rebuilt from the check's own lse and cut-off (sampling rows), one-hot of the
+    token (greedy rows). reviewer_probs' value without searching the top-k / top-p cut-off again
+    (~6 ops where that takes ~50, each a kernel launch on a GPU)."""
+    divisor = torch.where(temperature > 0, temperature.float(), 1.0)[:, None]
+    p = probs_ref(logits.float() / divisor, result.threshold[:, 0], result.lse[:, 0])
+    return torch.where((temperature > 0)[:, None], p, _one_hot(result.next_token, logits.shape[-1]))
+
+
 def normalised_residual(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """norm(r): the residual over its mass ([R, V]); `fallback` (p) where it vanished."""
     mass = residual.sum(-1, keepdim=True)

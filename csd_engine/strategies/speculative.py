@@ -96,10 +96,10 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
             break
         length += going
         args["offset"] = state.offset + j
-        tokens.append(verifier.chain(logits[:, None], none, zero, None, lenience=1.0, **args).next_token)
-        if not state.all_greedy:
-            probs.append(verifier.reviewer_probs(logits, state.temperature, state.top_k, state.top_p,
-                                                filtered=state.any_filtered, max_top_k=state.max_top_k))
+        drawn = verifier.chain(logits[:, None], none, zero, None, lenience=1.0, **args)
+        tokens.append(drawn.next_token)
+        if not state.all_greedy:  # q: the distribution the draw came from, from the check's own cut-off
+            probs.append(verifier.sampled_distribution(logits, state.temperature, drawn))
     state.metrics.count_drafter(metrics_index, forwards)
     if not tokens:
         return Draft(none, zero)

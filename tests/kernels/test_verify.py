@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, verify, verify_ref
+from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, sampled_distribution, verify, verify_ref
 from tests.stats import assert_distribution, fresh_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,6 +213,25 @@ def test_emitted_distribution_is_p_at_lenience_one_and_a_distribution_otherwise(
             tokens[torch.arange(64), result.num_accepted.long()] = result.next_token
             one_hot = torch.nn.functional.one_hot(tokens, 30).float()
             assert torch.equal(e[greedy], one_hot[greedy]), f"{where}: greedy rows must be one-hot"
+
+
+@pytest.mark.parametrize("check", [verify_ref, verify])
+def test_sampled_distribution_is_reviewer_probs(check):
+    """A check without drafts draws from p: the distribution rebuilt from its own lse and cut-off
+    is reviewer_probs' (the same values from the reference; within rounding from the kernel),
+    one-hot of the drawn token on greedy rows."""
+    seed = fresh_seed()
+    inputs = random_batch(torch.Generator().manual_seed(seed), 16, 0, 300, with_draft_probs=False)
+    settings = [inputs[name] for name in ("temperature", "top_k", "top_p")]
+    result = check(**inputs)
+    got = sampled_distribution(inputs["logits"][:, 0], inputs["temperature"], result)
+    want = reviewer_probs(inputs["logits"][:, 0], *settings)
+    if check is verify_ref:
+        assert torch.equal(got, want), f"seed={seed}"
+    else:
+        assert torch.allclose(got, want, atol=1e-6), f"seed={seed}: {(got - want).abs().max()}"
+    greedy = inputs["temperature"] == 0
+    assert torch.equal(got[greedy].argmax(-1), result.next_token[greedy]), f"seed={seed}"
 
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
