@@ -46,6 +46,7 @@ STRATEGIES = {  # name: (drafters, strategy)
     "autoregressive": ((), Autoregressive()),
     "speculative k=4": (("d1",), Speculative(k=4)),
     "speculative MaG k=4": (("mag",), Speculative(k=4)),
+    "Speculative.auto()": (("d1",), Speculative.auto()),
     "cascade [[4,2],[0,4]] l=2": (("d1", "mag"), Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4)),
     "cascade 3 levels": (("d1", "d2", "mag"), Cascade(k_matrix=((2, 1, 1), (0, 2, 1), (0, 0, 2)), lenience=2.0,
                                                       mag_tokens=2)),
