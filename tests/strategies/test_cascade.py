@@ -229,6 +229,54 @@ def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
     assert fed[True][0]["target"] < fed[False][0]["target"] and fed[True][0]["drafter"] < fed[False][0]["drafter"], fed
 
 
+def test_a_drafters_later_reviews_feed_only_the_new_tokens(models):
+    """On the device path (no trim) a review's forward width is a host-known bound on how far the
+    drafter's cache trails the draft: after its first review of a step the drafter holds the draft
+    but its last token, so its later reviews feed 1 + MaG's tokens (5 here), not a bound that grows
+    by every earlier review's width (5, 10, 15, 20); the tokens stay plain decoding's."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=96, verify_backend="torch")
+    engine.trim_drafts = False
+    widths = []
+
+    def recording(batch, forward=engine.drafters[0].forward):
+        if batch.need_logits:
+            widths.append(batch.input_ids.shape[1])
+        return forward(batch)
+    engine.drafters[0].forward = recording
+    try:
+        assert_greedy_equals_autoregressive(engine, random_prompts(2, lo=4, hi=10, seed=3),
+                                            Cascade(k_matrix=[[4, 2], [0, 4]], lenience=2.0, mag_tokens=4),
+                                            max_new_tokens=32)
+    finally:
+        del engine.drafters[0].forward
+    assert widths and widths.count(5) >= len(widths) // 2 and max(widths) < 15, widths
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_review_seeds_are_mixed_once_per_step_and_never_when_greedy(models, monkeypatch, temperature):
+    """Seed mixing is ~20 kernels on a GPU: an all-greedy step draws no random number and mixes
+    nothing; a sampling step derives every review's seed in one call per drafter, not per review."""
+    import csd_engine.strategies.base as base
+    import csd_engine.strategies.cascade as cascade
+    calls = []
+    for module in (base, cascade):
+        real = module.stream_seed
+        monkeypatch.setattr(module, "stream_seed", lambda seed, stream, real=real: calls.append(1) or real(seed, stream))
+    target, d1, d2 = models
+    engine = Engine(target, drafters=[d1, d2, "mag"], max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    strategy = Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=2.0, mag_tokens=2)
+    out = engine.generate(random_prompts(2, lo=4, hi=8, seed=5),
+                          SamplingParams(temperature=temperature, seed=1, max_new_tokens=16), strategy=strategy)
+    steps = max(r.metrics.target_forwards for r in out)
+    reviews = sum(sum(r.metrics.drafter_forwards) for r in out)
+    if temperature == 0:
+        assert not calls
+    else:
+        # per step: one table per neural drafter (2) and the target's stream 0 (mixes nothing)
+        assert 0 < len(calls) <= 3 * steps < reviews, (len(calls), steps, reviews)
+
+
 @pytest.mark.parametrize("direct_match", [0, 3])
 def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_match):
     """A fixed K's plan is a per-row selection of two rows built once (a row drafting by K, a
