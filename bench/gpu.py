@@ -344,13 +344,19 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
     if graphs:
         rows += step_graph_rows(models, strategies, prompt, params)
+        # sampling with top-k / top-p: the steps that launch the most (emitted distributions, q)
+        sampling = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True, temperature=0.8,
+                                             top_k=50, top_p=0.95, seed=1)
+        sampled = [(f"{name}, T=0.8 top-k 50 top-p 0.95", strategy, with_mag)
+                   for name, strategy, with_mag in strategies if name.startswith(("chain", "cascade"))]
+        rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,))
     return rows
 
 
 def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8)) -> list[dict]:
     """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
     parts are not timed apart), at batch 1 and 8 (distinct prompts). Its tokens must equal an
-    eager engine's on the same (Triton) attention, greedy. Graphs live as long as their scheduler
+    eager engine's on the same (Triton) attention (seeded when sampling). Graphs live as long as their scheduler
     (a server's one): the warm-up batch and the timed one share it."""
     rows = []
     for batch in batches:

@@ -10,7 +10,8 @@
 #   bash bench/gpu_session.sh [tests|bench|all]
 #   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
 #                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
-#                                      # step graphs), then the sync and real-graph tests in the time left
+#                                      # step graphs; the chain and the cascade also sampling with top-k /
+#                                      # top-p at batch 1), then the sync and real-graph tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
