@@ -101,17 +101,22 @@ class AutoCascadeDecoder(CascadeDecoder):
         self.sub_mag_source = self.neural_source.below.sources[0] if self.neural_source else None
         self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
         self.mag_grid = torch.arange(mag_tokens + 1, device=models.device)
+        # the choice grid's constant terms, computed once (each a kernel launch per step on a GPU):
+        a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
+        c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
+        self.a_float, self.no_model, self.one_plus_a = a.float(), a == 0, 1 + a
+        self.review_cost = self.model_cost + width_costs[1 + c] - 1  # a review: the model's forward + the width increment
+        self.reviews_too_many = c > (a - 1).clamp(min=0)  # the model reviews at most a - 1 MaG tokens
 
     def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
         budgets, caps = super().budgets(state, direct)
-        counts, width, top_mag = state.metrics, self.width_costs, self.mag_source.index
+        counts, top_mag = state.metrics, self.mag_source.index
         gamma = self._rate(counts.source_accepted[top_mag], counts.source_checked[top_mag])[:, None, None, None]
-        a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
         c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
         g = self.mag_grid[None, None, None, :]  # [1, 1, 1, M + 1] MaG's top-level budget
         if ready is not None:  # with no model tokens, MaG adds what it proposes now, no more
-            g = torch.where(a == 0, torch.minimum(g, ready[:, None, None, None]), g)
-        af = a.to(gamma.dtype)
+            g = torch.where(self.no_model, torch.minimum(g, ready[:, None, None, None]), g)
+        af = self.a_float  # [1, A + 1, 1, 1] the model's budget
         if self.neural_source is None:
             alpha = reviews = torch.zeros_like(gamma)
         else:
@@ -121,8 +126,8 @@ class AutoCascadeDecoder(CascadeDecoder):
             beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
             reviews = torch.ceil(af / (1 + beta * c))
         tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
-        cost = width[1 + a + g] + reviews * (self.model_cost + width[1 + c] - 1)
-        value = (tokens / cost).masked_fill(c > (a - 1).clamp(min=0), float("-inf"))  # [B, A + 1, M + 1, M + 1]
+        cost = self.width_costs[self.one_plus_a + g] + reviews * self.review_cost
+        value = (tokens / cost).masked_fill(self.reviews_too_many, float("-inf"))  # [B, A + 1, M + 1, M + 1]
         n = self.mag_grid.numel()
         best = value.flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
         pick_a, pick_c, pick_g = best // (n * n), best // n % n, best % n
