@@ -307,7 +307,9 @@ def hf_generate(models: Models, prompt: list[int], compiled: bool) -> list[int]:
 
 
 # -- 5. time split of a speculative step ----------------------------------------------------------
-def bench_step_split(models: Models, graphs: bool) -> list[dict]:
+def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> list[dict]:
+    """Per strategy and variant, tokens/s and where a step's time goes; `on_row(rows)` after each
+    row (the JSON keeps what a run cut short measured)."""
     sizes, device = models.sizes, models.device
     prompt = models.prompt()
     params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
@@ -342,18 +344,20 @@ def bench_step_split(models: Models, graphs: bool) -> list[dict]:
                              mag_ms=split.get("mag", 0.0),
                              other_ms=timed_seconds / steps * 1e3 - sum(split.values())))
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
+            on_row(rows)
     if graphs:
-        rows += step_graph_rows(models, strategies, prompt, params)
+        rows += step_graph_rows(models, strategies, prompt, params, on_row=lambda more: on_row(rows + more))
         # sampling with top-k / top-p: the steps that launch the most (emitted distributions, q)
         sampling = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True, temperature=0.8,
                                              top_k=50, top_p=0.95, seed=1)
         sampled = [(f"{name}, T=0.8 top-k 50 top-p 0.95", strategy, with_mag)
                    for name, strategy, with_mag in strategies if name.startswith(("chain", "cascade"))]
-        rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,))
+        rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,),
+                                on_row=lambda more: on_row(rows + more))
     return rows
 
 
-def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8)) -> list[dict]:
+def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), on_row=lambda rows: None) -> list[dict]:
     """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
     parts are not timed apart), at batch 1 and 8 (distinct prompts). Its tokens must equal an
     eager engine's on the same (Triton) attention (seeded when sampling). Graphs live as long as their scheduler
@@ -394,6 +398,7 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8)) 
             finally:
                 target.attention_backend = drafter.attention_backend = "sdpa"
             rows.append(row)
+            on_row(rows)
     return rows
 
 
@@ -596,6 +601,11 @@ class Report:
         harness.write_record(self.path, self.payload, self.args)
         return result
 
+    def partial(self, section: str, rows: list) -> None:
+        """Record a section's rows so far: a run cut short by its time limit keeps them."""
+        self.payload["sections"][section] = rows
+        harness.write_record(self.path, self.payload, self.args)
+
 
 def print_section(title: str, result, columns) -> None:
     if isinstance(result, dict) and "error" in result:
@@ -702,7 +712,8 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
 
     if "step_split" in wanted:
         graphs_work = ar is None or (isinstance(ar, dict) and "rows" in ar)
-        split = report.run("step_split", lambda: bench_step_split(models, graphs=graphs_work))
+        split = report.run("step_split", lambda: bench_step_split(
+            models, graphs=graphs_work, on_row=lambda rows: report.partial("step_split", rows)))
         print_section(f"time split per step (ms). Drafter: the target's first {sizes.drafter_layers} layers with its "
                       f"embeddings, norm and head; the target's other layers scaled by {args.residual_scale} "
                       "(synthetic agreement). Split columns come from a second run with a device sync around each "
