@@ -320,6 +320,9 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
                   ("Speculative.auto()", csd_engine.Speculative.auto(), False),
                   ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
     rows = []
+    so_far = lambda more: on_row(rows + more)  # noqa: E731
+    if graphs:  # one graph per step at batch 1 first, issue 11's comparison: kept if a time limit cuts the run
+        rows += step_graph_rows(models, strategies, prompt, params, batches=(1,), on_row=so_far)
     for variant in ("eager, sdpa", "CUDA graphs") if graphs else ("eager, sdpa",):
         for name, strategy, with_mag in strategies:
             target, drafter = models.target_runner, models.drafter_runner
@@ -346,14 +349,13 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
             on_row(rows)
     if graphs:
-        rows += step_graph_rows(models, strategies, prompt, params, on_row=lambda more: on_row(rows + more))
+        rows += step_graph_rows(models, strategies, prompt, params, batches=(8,), on_row=so_far)
         # sampling with top-k / top-p: the steps that launch the most (emitted distributions, q)
         sampling = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True, temperature=0.8,
                                              top_k=50, top_p=0.95, seed=1)
         sampled = [(f"{name}, T=0.8 top-k 50 top-p 0.95", strategy, with_mag)
                    for name, strategy, with_mag in strategies if name.startswith(("chain", "cascade"))]
-        rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,),
-                                on_row=lambda more: on_row(rows + more))
+        rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,), on_row=so_far)
     return rows
 
 
