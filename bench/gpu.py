@@ -320,7 +320,10 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
                   ("Speculative.auto()", csd_engine.Speculative.auto(), False),
                   ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
     rows = []
-    so_far = lambda more: on_row(rows + more)  # noqa: E731
+
+    def so_far(more):
+        on_row(rows + more)
+
     if graphs:  # one graph per step at batch 1 first, issue 11's comparison: kept if a time limit cuts the run
         rows += step_graph_rows(models, strategies, prompt, params, batches=(1,), on_row=so_far)
     for variant in ("eager, sdpa", "CUDA graphs") if graphs else ("eager, sdpa",):

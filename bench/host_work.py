@@ -31,7 +31,6 @@ if __package__ in (None, ""):  # run as `python bench/host_work.py`: make the `b
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import csd_engine  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from bench.tiny import perturbed, tiny_qwen2  # noqa: E402

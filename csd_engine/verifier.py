@@ -34,7 +34,6 @@ class Verifier:
         self.backend = backend
         self._chain_kernel, self._chain_ref = verify.verify, verify.verify_ref
         self.emitted_distribution = verify.emitted_distribution
-        self.reviewer_probs = verify.reviewer_probs
         self.sampled_distribution = verify.sampled_distribution
 
     def _kernel_for(self, tensor: torch.Tensor) -> bool:
