@@ -40,7 +40,7 @@ PADDED_PARENT = -2
 
 @dataclass
 class TreeVerifyResult:
-    num_accepted: torch.Tensor  # [B] int32, accepted draft nodes = depth of the final node
+    num_accepted: torch.Tensor  # [B] int64, accepted draft nodes = depth of the final node
     accepted_nodes: torch.Tensor  # [B, N] int64, node index at depth 1, 2, ...; -1 after the path
     next_token: torch.Tensor  # [B] int64, the correction / bonus token emitted after the path
 
@@ -216,7 +216,7 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     temperature  [B] float (0 = greedy), top_k [B] int (0 = off), top_p [B] float (1 = off)
     seed, offset [B] int64 counter-based randomness: depth d uses counter offset + d
     check_values False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
-    Returns TreeVerifyResult(num_accepted [B] int32, accepted_nodes [B, N] int64, next_token [B] int64).
+    Returns TreeVerifyResult(num_accepted [B] int64, accepted_nodes [B, N] int64, next_token [B] int64).
 
     One program per row walks the tree; the residual p' lives in a float32 workspace [B, V]
     allocated here (4 * B * V bytes).
@@ -231,7 +231,7 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
         draft = draft.contiguous()
     residual = torch.empty(batch, vocab, dtype=torch.float32, device=device)
     block_v, search_block, _ = block_sizes(vocab, MAX_BLOCK_V)
-    num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
     _tree_verify_kernel[(batch,)](
@@ -274,7 +274,7 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
 
     node = torch.zeros(batch, dtype=torch.int64, device=device)
     searching = torch.ones(batch, dtype=torch.bool, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.zeros(batch, dtype=torch.int64, device=device)
     for depth in range(nodes):
@@ -324,7 +324,7 @@ def _greedy_tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents:
     child_index = torch.arange(nodes, device=device)[None, :]
     node = torch.zeros(batch, dtype=torch.int64, device=device)
     searching = torch.ones(batch, dtype=torch.bool, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     for depth in range(nodes):
         matches = (parents == node[:, None]) & (child_index > 0) & (tokens == best[rows, node][:, None])

@@ -50,7 +50,7 @@ INTERPRETER_SMS = 132  # an H100's count, for the plan when there is no GPU to a
 
 @dataclass
 class VerifyResult:
-    num_accepted: torch.Tensor  # [B] int32: accepted draft tokens per row (0..num_drafts[b])
+    num_accepted: torch.Tensor  # [B] int64: accepted draft tokens per row (0..num_drafts[b]), an index as is
     next_token: torch.Tensor  # [B] int64: the correction token (first rejection) or the bonus token
     lse: torch.Tensor  # [B, k+1] float32: log-normaliser of the processed logits (greedy: raw logits)
     threshold: torch.Tensor  # [B, k+1] float32: smallest kept processed logit, -inf when unfiltered
@@ -297,7 +297,7 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     lenience      float >= 1 for every row, or [B] float (each >= 1), one per row
     splits        vocabulary splits per (row, position): None = from the shapes (split_plan), an int forces it
     check_values  False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
-    Returns VerifyResult: num_accepted [B] int32, next_token [B] int64, lse / threshold [B, k+1] float32.
+    Returns VerifyResult: num_accepted [B] int64, next_token [B] int64, lse / threshold [B, k+1] float32.
     Grids and workspaces depend on shapes only, so a call can be captured in a CUDA graph.
     """
     _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
@@ -326,7 +326,7 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     token = torch.empty(batch, positions, dtype=torch.int32, device=device)
     emit_values = torch.empty(batch, 2, num_splits, dtype=torch.float32, device=device)
     emit_indices = torch.empty(batch, 2, num_splits, dtype=torch.int32, device=device)
-    num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
     settings = (temperature, top_k.contiguous(), top_p.to(torch.float32).contiguous())
     row_inputs = (logits, logits.stride(0), logits.stride(1), draft_tokens, draft_tokens.stride(0), num_drafts,
@@ -413,7 +413,7 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
     beyond = position_ids > num_drafts[:, None]
     lse, threshold = lse.masked_fill(beyond, 0.0), threshold.masked_fill(beyond, 0.0)
     if all_greedy:
-        return VerifyResult(num_accepted.int(), argmax[every_row, num_accepted], lse, threshold)
+        return VerifyResult(num_accepted, argmax[every_row, num_accepted], lse, threshold)
 
     # Sampling rows draw at their emitting position: the bonus (or a vanished residual) samples p,
     # a rejection samples the residual. One Gumbel noise row serves both. Every row computes it
@@ -430,7 +430,7 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
         residual_sample = (residual.log() + noise).argmax(-1)
         sample = torch.where((at < num_drafts) & (residual > 0).any(-1), residual_sample, sample)
     next_token = torch.where(sampling, sample, argmax[every_row, at])
-    return VerifyResult(num_accepted.int(), next_token, lse, threshold)
+    return VerifyResult(num_accepted, next_token, lse, threshold)
 
 
 def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

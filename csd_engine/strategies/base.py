@@ -288,7 +288,7 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     logits = forward_tokens(models.target, state, ids)
     res = models.verifier.chain(logits, draft.tokens, draft.length, draft.q, lenience=1.0,
                                 **state.sampling_args(TARGET_STREAM))
-    accepted = res.num_accepted.to(torch.int64)
+    accepted = res.num_accepted
     models.target.cache.advance((accepted + 1) * state.active)
     state.offset += counters
     state.metrics.target_forwards += 1

@@ -349,25 +349,29 @@ class CascadeDecoder(Decoder):
         fed = trail + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
             needed = int((sub_len - feed_from).max())
-            if needed > fed:  # free to check here: a wrong bound would leave cache slots never computed
-                raise RuntimeError(f"cascade review: drafter {source.drafter}'s cache trails by {needed} tokens, "
-                                   f"past the plan's bound {fed}")
+            if needed > fed or (trail == 1 and bool((feed_from != before).any())):  # free to check here
+                raise RuntimeError(f"cascade review: drafter {source.drafter}'s cache trails by up to {needed} "
+                                   f"tokens, past the plan's bound {fed} (trail {trail})")
             fed = max(1, needed)
+            width = min(width, fed - 1)  # every row's draft fits: drafted <= needed - 1
         cols = feed_from[:, None] + self.offsets[None, :fed]
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
         logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
-        rel = ((before - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
+        if trail == 1:  # every row fed from mark - 1: the logits and drafts are in place
+            logits, drafts = logits[:, :width + 1], ids[:, 1:width + 1]
+        else:  # the logits at mark-1 .. mark-1+width, the tokens mark .. mark+width-1 (past sub_len: padding)
+            rel = ((before - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
+            logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))
+            drafts = ids.gather(1, rel[:, 1:])
         model.cache.reset(sub_len)  # every row fed up to sub_len (feed_from <= mark - 1 < sub_len)
-        logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))  # at mark-1 .. mark-1+width
-        drafts = ids.gather(1, rel[:, 1:])  # tokens mark .. mark+width-1 (what was fed; past sub_len: padding)
         q = None if work.q is None else self._q_at(work, mark, width)
         seed = None if work.seeds is None else work.seeds[source.drafter].gather(1, work.reviews[:, None])[:, 0]
         res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience,
                                          **state.sampling_args(seed=seed))
         if work.seeds is not None:
             work.reviews += need
-        accepted = res.num_accepted.to(torch.int64)  # 0 where drafted is (rows not in need)
+        accepted = res.num_accepted  # 0 where drafted is (rows not in need)
         end = mark + accepted  # the correction / bonus slot
         state.metrics.count_drafter(source.drafter)
         state.metrics.record(source.drafter + 1, accepted, drafted, None)
@@ -379,7 +383,7 @@ class CascadeDecoder(Decoder):
                 logits, drafts, drafted, q, state.temperature, state.top_k, state.top_p, self.lenience, res,
                 check_values=False)
             keep = need[:, None] & (self.offsets[None, :width + 1] <= accepted[:, None])
-            block = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
+            block = torch.cat([drafts, res.next_token[:, None]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
             self._write(state, work, source, mark, block, keep, e)
         roll_back_drafters(self.models.drafters, at)
         if work.alt is not None:

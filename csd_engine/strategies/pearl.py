@@ -169,7 +169,7 @@ class PearlDecoder(Decoder):
         with_bonus = post & (not self.adaptive)  # post-verify off: verify the carry alone, then a bonus
         num_drafts = torch.where(post, drafts.shape[1] - with_bonus.to(torch.int64), 1)
         res = self.verifier.chain(logits, drafts, num_drafts, q, lenience=1.0, **state.sampling_args(TARGET_STREAM))
-        n = res.num_accepted.to(torch.int64)
+        n = res.num_accepted
         # the chain up to e_1 holds: e_2..e_γ stay valid (an idle row keeps nothing: its drafter cache must not grow)
         whole = (n == num_drafts) & ~with_bonus & state.active
         counts = torch.where(whole, n, n + 1)

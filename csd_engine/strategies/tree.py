@@ -112,7 +112,7 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
                                  tree.mask))
     result = models.verifier.tree(logits, tokens, tree.parents, draft_probs,
                                   **state.sampling_args(TARGET_STREAM))
-    accepted = result.num_accepted.to(torch.int64)
+    accepted = result.num_accepted
     path = result.accepted_nodes[:, :tree.max_depth]  # node at depth 1, 2, ...; -1 after the path
 
     # Node i was written at slot committed + i; the path node at depth d belongs at committed + d.

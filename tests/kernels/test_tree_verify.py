@@ -160,7 +160,7 @@ def assert_kernel_matches_reference(args, where: str) -> None:
     want = tree_verify_ref(*args)
     for field in ("num_accepted", "accepted_nodes", "next_token"):
         assert torch.equal(getattr(got, field), getattr(want, field)), f"{field}: {getattr(got, field)} vs {getattr(want, field)} {where}"
-    assert got.num_accepted.dtype == torch.int32 and got.accepted_nodes.dtype == got.next_token.dtype == torch.int64
+    assert got.num_accepted.dtype == torch.int64 and got.accepted_nodes.dtype == got.next_token.dtype == torch.int64
     assert_matches_spec(got, args, where)
 
 
