@@ -124,7 +124,8 @@ def instrumented(engine, stopwatch: Stopwatch):
             part = "target" if runner is engine.target else "drafters"
             patch(runner, "forward", lambda batch, part=part: part if batch.need_logits else "prefill")
         for mag in (d for d in engine.drafters if isinstance(d, MaG)):
-            patch(mag, "propose", lambda *a, **kw: "mag")
+            for method in ("propose", "extend"):
+                patch(mag, method, lambda *a, **kw: "mag")
         patch(engine.verifier, "chain", lambda logits, *a, **kw: "verify" if logits.shape[1] > 1 else "sample")
         patch(engine.verifier, "tree", lambda *a, **kw: "verify")
         yield

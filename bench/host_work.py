@@ -130,7 +130,8 @@ def count_calls(engine: Engine, counts: Counter, context: list):
     wrap(engine.target, "forward", "model")
     for drafter in engine.drafters:
         if isinstance(drafter, MaG):
-            wrap(drafter, "propose", "mag", lambda *a: counts.update(["mag_calls"]))
+            for method in ("propose", "extend"):  # one launch each on a GPU (extend writes in the same)
+                wrap(drafter, method, "mag", lambda *a: counts.update(["mag_calls"]))
         else:
             wrap(drafter, "forward", "model", lambda batch: counts.update({"drafter_tokens": batch.input_ids.shape[1]}))
 

@@ -35,9 +35,10 @@ def _proposal_token(tokens_row, proposal, cols, position, end, capacity):
 
 @triton.jit(do_not_specialize=["bound"])  # bound grows every step: one compiled variant for all
 def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigram_prob_ptr,
-                out_tokens_ptr, out_length_ptr, out_match_ptr, capacity, bound, vocab, min_bigram_prob, min_match,
+                out_tokens_ptr, out_length_ptr, out_match_ptr, cap_ptr, need_ptr, out_end_ptr,
+                capacity, bound, vocab, min_bigram_prob, min_match,
                 M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, COPY_PASSES: tl.constexpr,
-                LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, BLOCK: tl.constexpr):
+                LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tokens_row = tokens_ptr + row * stride_t
     end = tl.minimum(tl.maximum(tl.load(end_ptr + row), 0), capacity)
@@ -98,6 +99,11 @@ def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigr
     tl.store(out_tokens_ptr + row * M + cols, proposal, mask=cols < M)
     tl.store(out_length_ptr + row, count)
     tl.store(out_match_ptr + row, match)
+    if APPEND:  # the first min(count, cap) tokens go after the query, rows in need only
+        keep = tl.where(tl.load(need_ptr + row) != 0, tl.minimum(count, tl.load(cap_ptr + row)), 0)
+        slot = end + cols
+        tl.store(tokens_row + slot, proposal, mask=(cols < keep) & (slot < capacity))
+        tl.store(out_end_ptr + row, end + keep)
 
 
 @functools.cache  # a CPU tensor per call costs host time on a hot path; the pairs seen are few
@@ -112,21 +118,40 @@ def mag_propose(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tens
     """(proposal [B, m] int64, length [B] int64, match [B] int64) in one launch; arguments as
     in `mag_propose_ref` (drafters/mag.py's MaG.propose checks them). The threshold is compared
     in float32 after rounding it to the table's dtype, as the reference's comparison does."""
+    return _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, max_match, min_bigram_prob,
+                   leftmost, copy_passes)[:3]
+
+
+def mag_extend(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
+               bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
+               min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, need: torch.Tensor):
+    """`mag_propose`, and in the same launch the proposal's first min(length, cap[b]) tokens
+    written into tokens[b, end[b]:] (rows with need[b] only, never past the buffer); returns
+    (proposal, length, match, end [B] int64 after the write). Arguments as in `mag_extend_ref`."""
+    return _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, max_match, min_bigram_prob,
+                   leftmost, copy_passes, cap, need)
+
+
+def _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, max_match, min_bigram_prob, leftmost,
+            copy_passes, cap=None, need=None):
     batch, capacity = tokens.shape
     proposal = torch.empty(batch, m, dtype=torch.int64, device=tokens.device)
     length = torch.empty(batch, dtype=torch.int64, device=tokens.device)
     match = torch.empty(batch, dtype=torch.int64, device=tokens.device)
+    new_end = torch.empty(batch, dtype=torch.int64, device=tokens.device)
     if batch == 0:
-        return proposal, length, match
-    has_bigram = bigram is not None
+        return proposal, length, match, new_end
+    has_bigram, append = bigram is not None, cap is not None
     threshold = _rounded(min_bigram_prob, bigram_prob.dtype) if has_bigram else 0.0
     _mag_kernel[(batch,)](
         tokens, tokens.stride(0), end.contiguous(), history_end.contiguous(),
         bigram if has_bigram else tokens, bigram_prob if has_bigram else tokens,
-        proposal, length, match, capacity, min(bound, capacity), bigram.shape[0] if has_bigram else 1,
+        proposal, length, match, cap.contiguous() if append else tokens,
+        need.contiguous().view(torch.uint8) if append else tokens, new_end,  # bool as bytes (a view)
+        capacity, min(bound, capacity), bigram.shape[0] if has_bigram else 1,
         threshold, min_match, M=m, M_BLOCK=triton.next_power_of_2(m), MAX_MATCH=max_match, COPY_PASSES=copy_passes,
-        LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, BLOCK=BLOCK)
-    return proposal, length, match
+        LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, APPEND=append, BLOCK=BLOCK)
+    return proposal, length, match, new_end
 
 
 def mag_propose_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
@@ -169,6 +194,26 @@ def mag_propose_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.
     previous = torch.where(count > 0, proposal.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0], last)
     proposal = torch.where(columns < count[:, None], proposal, previous[:, None])
     return proposal, count, match
+
+
+def mag_extend_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
+                   bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
+                   min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, need: torch.Tensor):
+    """The PyTorch reference of `mag_extend`: `mag_propose_ref`'s arguments, cap [B] int64 and
+    need [B] bool. Writes tokens[b, end[b] + j] = proposal[b, j] for j < min(length[b], cap[b])
+    where need[b] (and end[b] + j < C), nothing else."""
+    proposal, length, match = mag_propose_ref(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match,
+                                              max_match, min_bigram_prob, leftmost, copy_passes)
+    capacity = tokens.shape[1]
+    end = end.clamp(0, capacity)
+    keep = torch.where(need, torch.minimum(length, cap), 0)
+    slot = end[:, None] + torch.arange(m, device=tokens.device)
+    write = (slot < (end + keep)[:, None]) & (slot < capacity)
+    # Entries not written put back the token before the query (end 0: nothing is written), never
+    # a written slot: of duplicate indexes, scatter keeps one arbitrarily.
+    index = torch.where(write, slot, (end - 1).clamp(min=0)[:, None])
+    tokens.scatter_(1, index, torch.where(write, proposal, tokens.gather(1, index)))
+    return proposal, length, match, end + keep
 
 
 def _query_window(tokens, end, proposal, count, max_match) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csd_engine.kernels.mag import mag_propose, mag_propose_ref
+from csd_engine.kernels.mag import mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
 
 
 @dataclass
@@ -87,11 +87,36 @@ class MaG:
         (a bound on history_end - 1 leaves the result unchanged). Rows with end 0 (padding)
         propose nothing. Out-of-range values are clamped, never read out of bounds.
         """
+        self._check(tokens, end, history_end, m, search_bound)
+        # The kernels on CUDA only: interpreted, a call takes seconds (tests/kernels/test_mag.py checks them).
+        propose = mag_propose if tokens.is_cuda else mag_propose_ref
+        tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
+        return MaGProposal(*propose(tokens, end, history_end, m, *self._settings(tokens, search_bound)))
+
+    def extend(self, tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int,
+               search_bound: int | None, cap: torch.Tensor, need: torch.Tensor) -> tuple[MaGProposal, torch.Tensor]:
+        """`propose`, and its first min(length, cap[b]) tokens written into tokens[b, end[b]:] in
+        place for the rows with need[b] (one launch on a GPU, where a cascade step appends MaG's
+        tokens to its working sequences many times). cap [B] int64, need [B] bool; tokens
+        contiguous along C. Returns the proposal and each row's end after the write."""
+        self._check(tokens, end, history_end, m, search_bound)
+        batch = tokens.shape[0]
+        for name, value, dtype in (("cap", cap, torch.int64), ("need", need, torch.bool)):
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.shape != (batch,):
+                raise TypeError(f"{name} must be a {dtype} tensor [{batch}], got "
+                                f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
+        if tokens.stride(1) != 1:
+            raise ValueError("tokens must be contiguous along its columns (stride 1): extend writes into it")
+        extend = mag_extend if tokens.is_cuda else mag_extend_ref
+        *proposal, new_end = extend(tokens, end, history_end, m, *self._settings(tokens, search_bound), cap, need)
+        return MaGProposal(*proposal), new_end
+
+    def _check(self, tokens, end, history_end, m, search_bound) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.dim() != 2:
             raise TypeError(f"tokens must be an int64 tensor [B, C], got {getattr(tokens, 'dtype', type(tokens))}")
         if tokens.shape[1] == 0:
             raise ValueError("tokens must have at least one column (C >= 1)")
-        batch, capacity = tokens.shape
+        batch = tokens.shape[0]
         for name, value in (("end", end), ("history_end", history_end)):
             if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.shape != (batch,):
                 raise TypeError(f"{name} must be an int64 tensor [{batch}], got "
@@ -103,11 +128,9 @@ class MaG:
             raise ValueError(f"search_bound must be None or an int >= 0, got {search_bound!r}")
         if self.bigram is not None and self.bigram.device != tokens.device:
             raise ValueError(f"the bigram table is on {self.bigram.device}, tokens on {tokens.device}: call MaG.to")
-        bound = capacity if search_bound is None else min(search_bound, capacity)
-        # The kernel on CUDA only: interpreted, a call takes seconds (tests/kernels/test_mag.py checks it).
-        propose = mag_propose if tokens.is_cuda else mag_propose_ref
-        proposal, length, match = propose(
-            tokens if tokens.stride(1) == 1 else tokens.contiguous(), end, history_end, m, bound,
-            self.bigram, self.bigram_prob, self.min_match, self.max_match, self.min_bigram_prob,
-            self.occurrence == "leftmost", self.copy_passes)
-        return MaGProposal(proposal, length, match)
+
+    def _settings(self, tokens, search_bound) -> tuple:
+        """The kernels' arguments after end, history_end and m."""
+        bound = tokens.shape[1] if search_bound is None else min(search_bound, tokens.shape[1])
+        return (bound, self.bigram, self.bigram_prob, self.min_match, self.max_match, self.min_bigram_prob,
+                self.occurrence == "leftmost", self.copy_passes)

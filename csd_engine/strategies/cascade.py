@@ -326,13 +326,15 @@ class CascadeDecoder(Decoder):
         return length
 
     def _mag_append(self, state, work: Working, source: Source, length, need, m: int):
-        """MaG proposes up to m tokens after each row's working sequence (one-hot q); a row keeps
-        at most its cap for this source (work.mag_caps)."""
-        proposal = self.mag.propose(state.tokens, length, work.base, m, state.max_committed + 1)
-        keep = torch.minimum(proposal.length, work.mag_caps[source.index]) * need
-        col = self.offsets[None, :m]
-        self._write(state, work, source, length, proposal.tokens, col < keep[:, None], None)
-        return length + keep
+        """MaG proposes up to m tokens after each row's working sequence and writes them in place
+        (one launch on a GPU), at most the row's cap for this source (work.mag_caps); their q is
+        one-hot."""
+        proposal, end = self.mag.extend(state.tokens, length, work.base, m, state.max_committed + 1,
+                                        work.mag_caps[source.index], need)
+        if work.q is not None or work.origin is not None:
+            slot = length[:, None] + self.offsets[:m]
+            self._note(work, source, slot, proposal.tokens, slot < end[:, None], None)
+        return end
 
     def _review(self, state, work: Working, source: Source, mark, sub_len, need, trail: int):
         """Drafter `source.drafter` reviews the tokens [mark, sub_len) its sub-cascade proposed;
@@ -406,8 +408,11 @@ class CascadeDecoder(Decoder):
         never onto a kept entry's slot: of duplicate indexes, scatter keeps one arbitrarily."""
         slot = start[:, None] + self.offsets[:block.shape[1]]
         state.tokens.scatter_(1, torch.where(keep, slot, self.scratch_column), block)
-        if work.q is None and work.origin is None:
-            return
+        if work.q is not None or work.origin is not None:
+            self._note(work, source, slot, block, keep, dist)
+
+    def _note(self, work: Working, source: Source, slot, block, keep, dist):
+        """_write's record of the proposals of the kept entries at working `slot`s (absolute)."""
         rel = torch.where(keep, slot - work.base[:, None], self.scratch_slot).clamp(0, self.max_width)
         if work.origin is not None:
             work.origin.scatter_(1, rel, torch.full_like(rel, source.index))

@@ -1,12 +1,13 @@
 """kernels/mag.py: the one-launch MaG proposal equals its PyTorch reference exactly, on random
 buffers with small vocabularies (long and tied matches everywhere), searches that span several
-of the kernel's position blocks, every option, and the edge rows (empty, clamped, unsearched)."""
+of the kernel's position blocks, every option, and the edge rows (empty, clamped, unsearched);
+so does the proposal written in place (mag_extend), and the reference writes what it says."""
 import time
 
 import pytest
 import torch
 
-from csd_engine.kernels.mag import BLOCK, mag_propose, mag_propose_ref
+from csd_engine.kernels.mag import BLOCK, mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,3 +79,33 @@ def test_edge_rows():
     none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     assert [t.shape for t in mag_propose(empty, none, none, 3, 50, None, None, 1, 8, 0.5, True, 1)] == \
         [(0, 3), (0,), (0,)]
+
+
+def test_extend_writes_the_kept_proposal_in_place():
+    """mag_extend: the kernel's buffer and outputs equal the reference's, and the reference
+    writes exactly tokens[b, end[b] + j] = proposal[b, j] for j < min(length, cap) on rows in
+    need (inside the buffer) and changes nothing else: ends near the buffer's end, caps 0 to
+    past m, rows not in need, padding rows (end 0)."""
+    gen, seed = fresh_generator()
+    for _ in range(25):
+        args = random_case(gen)
+        tokens, end, batch = args[0], args[1], args[0].shape[0]
+        cap = torch.randint(0, args[3] + 2, (batch,), generator=gen).to(DEVICE)
+        need = (torch.rand(batch, generator=gen) < 0.7).to(DEVICE)
+        got_tokens, want_tokens = tokens.clone(), tokens.clone()
+        got = mag_extend(got_tokens, *args[1:], cap, need)
+        want = mag_extend_ref(want_tokens, *args[1:], cap, need)
+        where = f"seed {seed}, m/bound {args[3:5]}, end {end.tolist()}, cap {cap.tolist()}, need {need.tolist()}"
+        for name, a, b in zip(("proposal", "length", "match", "end"), got, want):
+            assert torch.equal(a, b), f"{name} differs ({where}):\n{a}\n{b}"
+        assert torch.equal(got_tokens, want_tokens), f"the buffers differ ({where})"
+        proposal, length = mag_propose_ref(tokens, *args[1:])[:2]
+        assert torch.equal(want[0], proposal) and torch.equal(want[1], length), where
+        keep = torch.where(need, torch.minimum(length, cap), 0)
+        assert torch.equal(want[3], end + keep), where
+        expected = tokens.clone()
+        for b in range(batch):
+            for j in range(int(keep[b])):
+                if end[b] + j < tokens.shape[1]:
+                    expected[b, end[b] + j] = proposal[b, j]
+        assert torch.equal(want_tokens, expected), f"the reference wrote elsewhere ({where})"
