@@ -189,6 +189,7 @@ class CascadeDecoder(Decoder):
         reviews = _reviews_per_step(plan)  # stream ids of each drafter's reviews 0, 1, ... in a step
         self.review_streams = {d: torch.arange(reviews, device=models.device) + 1 + 1024 * (d + 1) for d in self.neural}
         self._k_rows = None  # _k_plan's two plan rows, per batch size
+        self._budget_rows = {}  # batch size -> _constant_budgets
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
@@ -256,16 +257,31 @@ class CascadeDecoder(Decoder):
         the top, whose proposal (up to its cap, direct_tokens) is the whole draft: the same tokens
         the plan measured, however wide the step. `ready` (_direct's proposal lengths) is for
         budgets that weigh what MaG holds now (Cascade.auto); K's ignore it."""
-        budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
-        caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
-                for s in self.sources]
-        for s in self.sources:
-            if s.below is not None:
-                budgets[s.index] = torch.where(direct, 0, budgets[s.index])
-            elif s in self.levels.sources:
-                budgets[s.index] = torch.where(direct, 1, budgets[s.index])
-                caps[s.index] = torch.where(direct, self.direct_tokens, self.mag_tokens)
-        return budgets, caps
+        by_k, when_direct = self._constant_budgets(state)
+        if not self.direct_match:  # no row goes direct
+            return list(by_k[0]), list(by_k[1])
+        return tuple([k if d is k else torch.where(direct, d, k) for k, d in zip(*pair)]
+                     for pair in zip(by_k, when_direct))
+
+    def _constant_budgets(self, state: DecodeState) -> tuple:
+        """((budgets, caps) of a row that drafts by K, the same of a direct row), device
+        constants made once per batch size: built in a step they would be ~10 launches. plan()
+        asks first, eagerly; made inside a step graph's capture they would hold nothing."""
+        if state.batch not in self._budget_rows:
+            if state.pending.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cascade budgets first asked inside a CUDA graph capture: call plan() first")
+            budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
+            caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
+                    for s in self.sources]
+            direct_budgets, direct_caps = list(budgets), list(caps)
+            for s in self.sources:
+                if s.below is not None:
+                    direct_budgets[s.index] = torch.zeros_like(budgets[s.index])
+                elif s in self.levels.sources:
+                    direct_budgets[s.index] = torch.ones_like(budgets[s.index])
+                    direct_caps[s.index] = torch.full_like(caps[s.index], self.direct_tokens)
+            self._budget_rows[state.batch] = ((budgets, caps), (direct_budgets, direct_caps))
+        return self._budget_rows[state.batch]
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, state: DecodeState, plan) -> StepOutput:
