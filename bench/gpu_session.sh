@@ -11,7 +11,7 @@
 #   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
 #                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
 #                                      # step graphs; the chain and the cascade also sampling with top-k /
-#                                      # top-p at batch 1), then the sync and real-graph tests in the time left
+#                                      # top-p at batch 1), then the sync, real-graph and compiled MaG tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,7 @@ if [ "$what" = open ]; then
   [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \
       tests/strategies/test_host_reads.py::test_a_step_never_synchronises_on_cuda \
       tests/strategies/test_step_graphs.py::test_real_cuda_graphs_equal_eager_steps \
+      tests/kernels/test_mag.py tests/drafters/test_mag.py::test_extend_runs_in_a_cuda_graph_and_matches_the_reference \
     2>&1 | tee "$OUT/pytest-open.log" | grep -v "^\." | tail -15
   echo "[gpu_session] total $(( $(date +%s) - start )) s"
   exit 0
