@@ -105,6 +105,9 @@ class AutoCascadeDecoder(CascadeDecoder):
         a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
         c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
         self.a_float, self.no_model, self.one_plus_a = a.float(), a == 0, 1 + a
+        n = self.mag_grid.numel()  # the grid's flat index -> its (a, c, g): one gather per choice
+        flat = torch.arange(self.grid.numel() * n * n, device=models.device)
+        self.choices = torch.stack([self.grid[flat // (n * n)], self.mag_grid[flat // n % n], self.mag_grid[flat % n]], 1)
         self.review_cost = self.model_cost + width_costs[1 + c] - 1  # a review: the model's forward + the width increment
         self.reviews_too_many = c > (a - 1).clamp(min=0)  # the model reviews at most a - 1 MaG tokens
 
@@ -128,14 +131,13 @@ class AutoCascadeDecoder(CascadeDecoder):
         tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
         cost = self.width_costs[self.one_plus_a + g] + reviews * self.review_cost
         value = (tokens / cost).masked_fill(self.reviews_too_many, float("-inf"))  # [B, A + 1, M + 1, M + 1]
-        n = self.mag_grid.numel()
         best = value.flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
-        pick_a, pick_c, pick_g = best // (n * n), best // n % n, best % n
+        pick_a, pick_c, pick_g = self.choices[best].unbind(1)  # [B] each: the best choice's budgets
         if self.neural_source is not None:
-            budgets[self.neural_source.index] = torch.where(direct, 0, self.grid[pick_a])
-            caps[self.sub_mag_source.index] = self.mag_grid[pick_c]
-        budgets[top_mag] = torch.where(direct, budgets[top_mag], self.mag_grid[pick_g])
-        caps[top_mag] = torch.where(direct, caps[top_mag], self.mag_grid[pick_g])
+            budgets[self.neural_source.index] = torch.where(direct, budgets[self.neural_source.index], pick_a)
+            caps[self.sub_mag_source.index] = pick_c
+        budgets[top_mag] = torch.where(direct, budgets[top_mag], pick_g)
+        caps[top_mag] = torch.where(direct, caps[top_mag], pick_g)
         return budgets, caps
 
     def _rate(self, accepted: torch.Tensor, counted: torch.Tensor, prior_rate: float = 0.5) -> torch.Tensor:
