@@ -229,6 +229,26 @@ def test_a_cpu_engine_feeds_only_real_drafts_with_the_same_tokens(models):
     assert fed[True][0]["target"] < fed[False][0]["target"] and fed[True][0]["drafter"] < fed[False][0]["drafter"], fed
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_reviews_by_a_copy_of_the_target_draft_only_what_the_target_accepts(models, trim):
+    """A drafter that is the target itself, reviewing MaG's tokens at lenience 1, passes on only
+    tokens the target chose: the target accepts every token the step drafts. Exactness alone
+    cannot see a review that checks the wrong tokens or logits (the target still decides), this
+    can: e.g. a later review reading its logits one slot off. On the device path (no trim) and
+    the CPU's."""
+    target = models[0]
+    engine = Engine(target, drafters=[perturbed(target, noise=0.0, seed=0), "mag"], max_batch_size=2,
+                    max_seq_len=96, verify_backend="torch")
+    engine.trim_drafts = trim
+    prompts = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2]  # repeats: MaG proposes
+    # one MaG token per review: a step's budget of 6 takes several reviews, the later ones with drafts
+    out = assert_greedy_equals_autoregressive(engine, prompts, Cascade(k_matrix=[[6, 0], [0, 1]], lenience=1.0,
+                                                                       mag_tokens=1), max_new_tokens=40)
+    for r in out:
+        assert r.metrics.drafted > 0 and r.metrics.accepted == r.metrics.drafted, (r.metrics.accepted,
+                                                                                   r.metrics.drafted)
+
+
 def test_a_drafters_later_reviews_feed_only_the_new_tokens(models):
     """On the device path (no trim) a review's forward width is a host-known bound on how far the
     drafter's cache trails the draft: after its first review of a step the drafter holds the draft
