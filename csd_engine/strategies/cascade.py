@@ -357,7 +357,8 @@ class CascadeDecoder(Decoder):
         the working sequence keeps the accepted ones plus its correction / bonus (rows in
         `need` only; the others review nothing and change nothing). `trail`: host bound on how
         far the drafter's cache trails `mark` (the forward's width is trail + the draft's bound);
-        afterwards its cache holds every row's sequence but the last token."""
+        1 says every row's cache ends at mark - 1 (a later review), so the forward's logits and
+        tokens are already in place. Afterwards its cache holds every row's sequence but the last token."""
         model = self.models.drafters[source.drafter]
         width = source.below.max_growth  # host bound on sub_len - mark
         drafted = sub_len - mark  # 0 for rows not in need: their sub-cascade grew nothing
