@@ -257,11 +257,13 @@ class CascadeDecoder(Decoder):
         the top, whose proposal (up to its cap, direct_tokens) is the whole draft: the same tokens
         the plan measured, however wide the step. `ready` (_direct's proposal lengths) is for
         budgets that weigh what MaG holds now (Cascade.auto); K's ignore it."""
-        by_k, when_direct = self._constant_budgets(state)
+        (budgets, caps), (direct_budgets, direct_caps) = self._constant_budgets(state)
         if not self.direct_match:  # no row goes direct
-            return list(by_k[0]), list(by_k[1])
-        return tuple([k if d is k else torch.where(direct, d, k) for k, d in zip(*pair)]
-                     for pair in zip(by_k, when_direct))
+            return list(budgets), list(caps)
+
+        def select(by_k, when_direct):  # a where only for the sources a direct row changes
+            return [k if d is k else torch.where(direct, d, k) for k, d in zip(by_k, when_direct)]
+        return select(budgets, direct_budgets), select(caps, direct_caps)
 
     def _constant_budgets(self, state: DecodeState) -> tuple:
         """((budgets, caps) of a row that drafts by K, the same of a direct row), device
@@ -367,8 +369,9 @@ class CascadeDecoder(Decoder):
         feed_from = model.cache.lengths  # not a copy: read before the reset below
         fed = trail + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
-            needed = int((sub_len - feed_from).max())
-            if needed > fed or (trail == 1 and bool((feed_from != before).any())):  # free to check here
+            # read with it, free: whether some row's cache is not where trail == 1 says it is
+            needed, off = torch.stack([(sub_len - feed_from).max(), (feed_from != before).any()]).tolist()
+            if needed > fed or (trail == 1 and off):  # a wrong bound would leave cache slots never computed
                 raise RuntimeError(f"cascade review: drafter {source.drafter}'s cache trails by up to {needed} "
                                    f"tokens, past the plan's bound {fed} (trail {trail})")
             fed = max(1, needed)
