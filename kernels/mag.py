@@ -35,7 +35,7 @@ def _proposal_token(tokens_row, proposal, cols, position, end, capacity):
 
 @triton.jit(do_not_specialize=["bound"])  # bound grows every step: one compiled variant for all
 def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigram_prob_ptr,
-                out_tokens_ptr, out_length_ptr, out_match_ptr, cap_ptr, need_ptr, out_end_ptr,
+                out_tokens_ptr, out_length_ptr, out_match_ptr, cap_ptr, rows_ptr, goal_ptr, out_end_ptr,
                 capacity, bound, vocab, min_bigram_prob, min_match,
                 M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, COPY_PASSES: tl.constexpr,
                 LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr):
@@ -99,8 +99,9 @@ def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigr
     tl.store(out_tokens_ptr + row * M + cols, proposal, mask=cols < M)
     tl.store(out_length_ptr + row, count)
     tl.store(out_match_ptr + row, match)
-    if APPEND:  # the first min(count, cap) tokens go after the query, rows in need only
-        keep = tl.where(tl.load(need_ptr + row) != 0, tl.minimum(count, tl.load(cap_ptr + row)), 0)
+    if APPEND:  # the first min(count, cap) tokens go after the query, in rows short of their goal only
+        need = (tl.load(rows_ptr + row) != 0) & (tl.load(end_ptr + row) < tl.load(goal_ptr + row))
+        keep = tl.where(need, tl.minimum(count, tl.load(cap_ptr + row)), 0)
         slot = end + cols
         tl.store(tokens_row + slot, proposal, mask=(cols < keep) & (slot < capacity))
         tl.store(out_end_ptr + row, end + keep)
@@ -124,16 +125,18 @@ def mag_propose(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tens
 
 def mag_extend(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
                bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
-               min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, need: torch.Tensor):
+               min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, rows: torch.Tensor,
+               goal: torch.Tensor):
     """`mag_propose`, and in the same launch the proposal's first min(length, cap[b]) tokens
-    written into tokens[b, end[b]:] (rows with need[b] only, never past the buffer); returns
-    (proposal, length, match, end [B] int64 after the write). Arguments as in `mag_extend_ref`."""
+    written into tokens[b, end[b]:] (rows with rows[b] and end[b] < goal[b] only, never past the
+    buffer); returns (proposal, length, match, end [B] int64 after the write). Arguments as in
+    `mag_extend_ref`."""
     return _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, max_match, min_bigram_prob,
-                   leftmost, copy_passes, cap, need)
+                   leftmost, copy_passes, cap, rows, goal)
 
 
 def _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, max_match, min_bigram_prob, leftmost,
-            copy_passes, cap=None, need=None):
+            copy_passes, cap=None, rows=None, goal=None):
     batch, capacity = tokens.shape
     proposal = torch.empty(batch, m, dtype=torch.int64, device=tokens.device)
     length = torch.empty(batch, dtype=torch.int64, device=tokens.device)
@@ -147,7 +150,8 @@ def _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, 
         tokens, tokens.stride(0), end.contiguous(), history_end.contiguous(),
         bigram if has_bigram else tokens, bigram_prob if has_bigram else tokens,
         proposal, length, match, cap.contiguous() if append else tokens,
-        need.contiguous().view(torch.uint8) if append else tokens, new_end,  # bool as bytes (a view)
+        rows.contiguous().view(torch.uint8) if append else tokens,  # bool as bytes (a view)
+        goal.contiguous() if append else tokens, new_end,
         capacity, min(bound, capacity), bigram.shape[0] if has_bigram else 1,
         threshold, min_match, M=m, M_BLOCK=triton.next_power_of_2(m), MAX_MATCH=max_match, COPY_PASSES=copy_passes,
         LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, APPEND=append, BLOCK=BLOCK)
@@ -198,10 +202,12 @@ def mag_propose_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.
 
 def mag_extend_ref(tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int, bound: int,
                    bigram: torch.Tensor | None, bigram_prob: torch.Tensor | None, min_match: int, max_match: int,
-                   min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, need: torch.Tensor):
-    """The PyTorch reference of `mag_extend`: `mag_propose_ref`'s arguments, cap [B] int64 and
-    need [B] bool. Writes tokens[b, end[b] + j] = proposal[b, j] for j < min(length[b], cap[b])
-    where need[b] (and end[b] + j < C), nothing else."""
+                   min_bigram_prob: float, leftmost: bool, copy_passes: int, cap: torch.Tensor, rows: torch.Tensor,
+                   goal: torch.Tensor):
+    """The PyTorch reference of `mag_extend`: `mag_propose_ref`'s arguments, cap [B] int64,
+    rows [B] bool and goal [B] int64. Writes tokens[b, end[b] + j] = proposal[b, j] for
+    j < min(length[b], cap[b]) where rows[b] and end[b] < goal[b] (and end[b] + j < C), nothing else."""
+    need = rows & (end < goal)
     proposal, length, match = mag_propose_ref(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match,
                                               max_match, min_bigram_prob, leftmost, copy_passes)
     capacity = tokens.shape[1]

@@ -94,21 +94,23 @@ class MaG:
         return MaGProposal(*propose(tokens, end, history_end, m, *self._settings(tokens, search_bound)))
 
     def extend(self, tokens: torch.Tensor, end: torch.Tensor, history_end: torch.Tensor, m: int,
-               search_bound: int | None, cap: torch.Tensor, need: torch.Tensor) -> tuple[MaGProposal, torch.Tensor]:
+               search_bound: int | None, cap: torch.Tensor, rows: torch.Tensor,
+               goal: torch.Tensor) -> tuple[MaGProposal, torch.Tensor]:
         """`propose`, and its first min(length, cap[b]) tokens written into tokens[b, end[b]:] in
-        place for the rows with need[b] (one launch on a GPU, where a cascade step appends MaG's
-        tokens to its working sequences many times). cap [B] int64, need [B] bool; tokens
-        contiguous along C. Returns the proposal and each row's end after the write."""
+        place for the rows with rows[b] whose end[b] is short of goal[b] (one launch on a GPU,
+        where a cascade step appends MaG's tokens to its working sequences many times). cap and
+        goal [B] int64, rows [B] bool; tokens contiguous along C. Returns the proposal and each
+        row's end after the write."""
         self._check(tokens, end, history_end, m, search_bound)
         batch = tokens.shape[0]
-        for name, value, dtype in (("cap", cap, torch.int64), ("need", need, torch.bool)):
+        for name, value, dtype in (("cap", cap, torch.int64), ("rows", rows, torch.bool), ("goal", goal, torch.int64)):
             if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.shape != (batch,):
                 raise TypeError(f"{name} must be a {dtype} tensor [{batch}], got "
                                 f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
         if tokens.stride(1) != 1:
             raise ValueError("tokens must be contiguous along its columns (stride 1): extend writes into it")
         extend = mag_extend if tokens.is_cuda else mag_extend_ref
-        *proposal, new_end = extend(tokens, end, history_end, m, *self._settings(tokens, search_bound), cap, need)
+        *proposal, new_end = extend(tokens, end, history_end, m, *self._settings(tokens, search_bound), cap, rows, goal)
         return MaGProposal(*proposal), new_end
 
     def _check(self, tokens, end, history_end, m, search_bound) -> None:

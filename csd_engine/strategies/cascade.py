@@ -329,12 +329,12 @@ class CascadeDecoder(Decoder):
         for source in level.sources:
             goal = goal + work.budgets[source.index]
             for call in range(min(source.calls, work.rounds.get(source.index, source.calls))):
-                need = (length < goal) & rows
-                if source.below is None:
+                if source.below is None:  # MaG's kernel picks the rows short of their goal itself
                     m = work.width if level is self.levels else self.mag_tokens
-                    length = self._mag_append(state, work, source, length, need, m)
+                    length = self._mag_append(state, work, source, length, rows, goal, m)
                     grown += m
                 else:
+                    need = (length < goal) & rows
                     sub = self._draft(state, work, source.below, length, need, grown)
                     # after its first call the drafter's cache holds every row's sequence but its
                     # last token (its sub-cascade holds lower drafters only): its trail is 1
@@ -343,12 +343,12 @@ class CascadeDecoder(Decoder):
                     grown += source.below.max_growth + 1
         return length
 
-    def _mag_append(self, state, work: Working, source: Source, length, need, m: int):
-        """MaG proposes up to m tokens after each row's working sequence and writes them in place
-        (one launch on a GPU), at most the row's cap for this source (work.mag_caps); their q is
-        one-hot."""
+    def _mag_append(self, state, work: Working, source: Source, length, rows, goal, m: int):
+        """MaG proposes up to m tokens after the working sequence of each row in `rows` short of
+        its `goal` and writes them in place (one launch on a GPU), at most the row's cap for this
+        source (work.mag_caps); their q is one-hot."""
         proposal, end = self.mag.extend(state.tokens, length, work.base, m, state.max_committed + 1,
-                                        work.mag_caps[source.index], need)
+                                        work.mag_caps[source.index], rows, goal)
         if work.q is not None or work.origin is not None:
             slot = length[:, None] + self.offsets[:m]
             self._note(work, source, slot, proposal.tokens, slot < end[:, None], None)
@@ -364,29 +364,28 @@ class CascadeDecoder(Decoder):
         model = self.models.drafters[source.drafter]
         width = source.below.max_growth  # host bound on sub_len - mark
         drafted = sub_len - mark  # 0 for rows not in need: their sub-cascade grew nothing
-        before = mark - 1  # recompute the logits at the last token before the draft
-        model.cache.rollback(before)
+        if trail != 1:  # recompute the logits at the last token before the draft (a later review's
+            model.cache.rollback(mark - 1)  # cache ends there already)
         feed_from = model.cache.lengths  # not a copy: read before the reset below
         fed = trail + width  # host bound on sub_len - feed_from
         if self.models.trim_drafts:  # a named host read, as base.trimmed: feed only what some row has
             # read with it, free: whether some row's cache is not where trail == 1 says it is
-            needed, off = torch.stack([(sub_len - feed_from).max(), (feed_from != before).any()]).tolist()
+            needed, off = torch.stack([(sub_len - feed_from).max(), (feed_from != mark - 1).any()]).tolist()
             if needed > fed or (trail == 1 and off):  # a wrong bound would leave cache slots never computed
                 raise RuntimeError(f"cascade review: drafter {source.drafter}'s cache trails by up to {needed} "
                                    f"tokens, past the plan's bound {fed} (trail {trail})")
             fed = max(1, needed)
             width = min(width, fed - 1)  # every row's draft fits: drafted <= needed - 1
-        cols = feed_from[:, None] + self.offsets[None, :fed]
+        cols = feed_from[:, None] + self.offsets[None, :fed]  # the fed tokens' positions
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
-        logits = model(ForwardBatch.chain(ids, model.cache.lengths, bound))
+        logits = model(ForwardBatch(ids, cols, bound))
         if trail == 1:  # every row fed from mark - 1: the logits and drafts are in place
             logits, drafts = logits[:, :width + 1], ids[:, 1:width + 1]
         else:  # the logits at mark-1 .. mark-1+width, the tokens mark .. mark+width-1 (past sub_len: padding)
-            rel = ((before - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
+            rel = ((mark - 1 - feed_from)[:, None] + self.offsets[None, :width + 1]).clamp(0, fed - 1)
             logits = logits.gather(1, rel[:, :, None].expand(-1, -1, logits.shape[2]))
             drafts = ids.gather(1, rel[:, 1:])
-        model.cache.reset(sub_len)  # every row fed up to sub_len (feed_from <= mark - 1 < sub_len)
         q = None if work.q is None else self._q_at(work, mark, width)
         seed = None if work.seeds is None else work.seeds[source.drafter].gather(1, work.reviews[:, None])[:, 0]
         res = self.models.verifier.chain(logits, drafts, drafted, q, lenience=self.lenience,
@@ -395,6 +394,8 @@ class CascadeDecoder(Decoder):
             work.reviews += need
         accepted = res.num_accepted  # 0 where drafted is (rows not in need)
         end = mark + accepted  # the correction / bonus slot
+        new_mark = end + need  # rows not in need accepted nothing: end is their mark
+        model.cache.reset(new_mark - 1)  # every row was fed up to sub_len >= end (feed_from <= mark - 1)
         state.metrics.count_drafter(source.drafter)
         state.metrics.record(source.drafter + 1, accepted, drafted, None)
         at = torch.where(need, end, self.scratch_column)  # rows not in need: the scratch column, past any cache
@@ -407,10 +408,10 @@ class CascadeDecoder(Decoder):
             keep = need[:, None] & (self.offsets[None, :width + 1] <= accepted[:, None])
             block = torch.cat([drafts, res.next_token[:, None]], 1).scatter(1, accepted[:, None], res.next_token[:, None])
             self._write(state, work, source, mark, block, keep, e)
-        roll_back_drafters(self.models.drafters, at)
+        roll_back_drafters((d for d in self.models.drafters if d is not model), at)  # the lower drafters
         if work.alt is not None:
             self._record_candidates(work, logits, mark - work.base, accepted, need)
-        return end + need  # rows not in need accepted nothing: end is their mark
+        return new_mark
 
     def _window(self, state, start, width: int) -> torch.Tensor:
         cols = (start[:, None] + self.offsets[:width]).clamp(max=state.tokens.shape[1] - 1)

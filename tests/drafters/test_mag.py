@@ -220,16 +220,19 @@ def test_bad_arguments_raise():
         mag.propose(tokens, lengths, lengths, 0)
     with pytest.raises(ValueError, match="search_bound"):
         mag.propose(tokens, lengths, lengths, 2, search_bound=-1)
-    cap, need = torch.tensor([2, 2]), torch.tensor([True, False])
+    cap, rows, goal = torch.tensor([2, 2]), torch.tensor([True, True]), torch.tensor([5, 3])
     with pytest.raises(TypeError, match="cap must be a torch.int64 tensor \\[2\\]"):
-        mag.extend(tokens, lengths, lengths, 2, None, cap.int(), need)
-    with pytest.raises(TypeError, match="need must be a torch.bool tensor \\[2\\]"):
-        mag.extend(tokens, lengths, lengths, 2, None, cap, need[:1])
+        mag.extend(tokens, lengths, lengths, 2, None, cap.int(), rows, goal)
+    with pytest.raises(TypeError, match="rows must be a torch.bool tensor \\[2\\]"):
+        mag.extend(tokens, lengths, lengths, 2, None, cap, rows[:1], goal)
+    with pytest.raises(TypeError, match="goal must be a torch.int64 tensor \\[2\\]"):
+        mag.extend(tokens, lengths, lengths, 2, None, cap, rows, goal.float())
     with pytest.raises(ValueError, match="contiguous"):  # a copy would take the writes
-        mag.extend(torch.zeros(5, 2, dtype=torch.int64).t(), lengths, lengths, 2, None, cap, need)
+        mag.extend(torch.zeros(5, 2, dtype=torch.int64).t(), lengths, lengths, 2, None, cap, rows, goal)
     with pytest.raises(ValueError, match="m must"):
-        mag.extend(tokens, lengths, lengths, 0, None, cap, need)
-    _, end = mag.extend(tokens, lengths, lengths, 2, None, cap, need)  # still usable: one token copied where needed
+        mag.extend(tokens, lengths, lengths, 0, None, cap, rows, goal)
+    # still usable: one token copied where the row is short of its goal (row 1 has reached it)
+    _, end = mag.extend(tokens, lengths, lengths, 2, None, cap, rows, goal)
     assert end.tolist() == [4, 3]
 
 
@@ -261,21 +264,21 @@ def test_extend_runs_in_a_cuda_graph_and_matches_the_reference():
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 4, (4, 256), generator=generator)
     end, history_end = torch.tensor([200, 253, 0, 10]), torch.tensor([190, 250, 0, 10])
-    cap, need = torch.tensor([8, 2, 8, 0]), torch.tensor([True, True, True, True])
+    cap, rows, goal = torch.tensor([8, 2, 8, 0]), torch.tensor([True, True, False, True]), torch.tensor([300, 300, 5, 20])
     mag = MaG(torch.randint(0, 4, (4,), generator=generator), torch.rand(4, generator=generator))
     want_tokens = tokens.clone()
-    want, want_end = mag.extend(want_tokens, end, history_end, 8, None, cap, need)
+    want, want_end = mag.extend(want_tokens, end, history_end, 8, None, cap, rows, goal)
     mag.to("cuda")
     args = [t.cuda() for t in (end, history_end)]
-    buffer, cap, need = tokens.cuda(), cap.cuda(), need.cuda()  # no host copies inside the capture
+    buffer, cap, rows, goal = tokens.cuda(), cap.cuda(), rows.cuda(), goal.cuda()  # no host copies in the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mag.extend(buffer.clone(), *args, 8, None, cap, need)  # warm-up outside the graph
+        mag.extend(buffer.clone(), *args, 8, None, cap, rows, goal)  # warm-up outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got, got_end = mag.extend(buffer, *args, 8, None, cap, need)
+        got, got_end = mag.extend(buffer, *args, 8, None, cap, rows, goal)
     graph.replay()
     assert torch.equal(buffer.cpu(), want_tokens) and torch.equal(got_end.cpu(), want_end)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(vars(got).values(), vars(want).values()))

@@ -84,28 +84,30 @@ def test_edge_rows():
 def test_extend_writes_the_kept_proposal_in_place():
     """mag_extend: the kernel's buffer and outputs equal the reference's, and the reference
     writes exactly tokens[b, end[b] + j] = proposal[b, j] for j < min(length, cap) on rows in
-    need (inside the buffer) and changes nothing else: ends near the buffer's end, caps 0 to
-    past m, rows not in need, padding rows (end 0)."""
+    `rows` short of their goal (inside the buffer) and changes nothing else: ends near the
+    buffer's end, caps 0 to past m, rows left out, goals reached or not, padding rows (end 0)."""
     gen, seed = fresh_generator()
     for _ in range(25):
         args = random_case(gen)
         tokens, end, batch = args[0], args[1], args[0].shape[0]
         cap = torch.randint(0, args[3] + 2, (batch,), generator=gen).to(DEVICE)
-        need = (torch.rand(batch, generator=gen) < 0.7).to(DEVICE)
+        rows = (torch.rand(batch, generator=gen) < 0.8).to(DEVICE)
+        goal = end + torch.randint(-1, 3, (batch,), generator=gen).to(DEVICE)  # reached (<= end) or not
         got_tokens, want_tokens = tokens.clone(), tokens.clone()
-        got = mag_extend(got_tokens, *args[1:], cap, need)
-        want = mag_extend_ref(want_tokens, *args[1:], cap, need)
-        where = f"seed {seed}, m/bound {args[3:5]}, end {end.tolist()}, cap {cap.tolist()}, need {need.tolist()}"
+        got = mag_extend(got_tokens, *args[1:], cap, rows, goal)
+        want = mag_extend_ref(want_tokens, *args[1:], cap, rows, goal)
+        where = (f"seed {seed}, m/bound {args[3:5]}, end {end.tolist()}, cap {cap.tolist()}, rows {rows.tolist()}, "
+                 f"goal {goal.tolist()}")
         for name, a, b in zip(("proposal", "length", "match", "end"), got, want):
             assert torch.equal(a, b), f"{name} differs ({where}):\n{a}\n{b}"
         assert torch.equal(got_tokens, want_tokens), f"the buffers differ ({where})"
         proposal, length = mag_propose_ref(tokens, *args[1:])[:2]
         assert torch.equal(want[0], proposal) and torch.equal(want[1], length), where
-        keep = torch.where(need, torch.minimum(length, cap), 0)
-        assert torch.equal(want[3], end + keep), where
+        keep = [min(int(length[b]), int(cap[b])) if rows[b] and end[b] < goal[b] else 0 for b in range(batch)]
+        assert want[3].tolist() == [int(e) + k for e, k in zip(end, keep)], where
         expected = tokens.clone()
         for b in range(batch):
-            for j in range(int(keep[b])):
+            for j in range(keep[b]):
                 if end[b] + j < tokens.shape[1]:
                     expected[b, end[b] + j] = proposal[b, j]
         assert torch.equal(want_tokens, expected), f"the reference wrote elsewhere ({where})"
