@@ -282,14 +282,13 @@ class Scheduler:
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
-        out = (self.step_graphs or self.decoder).step(state, self.plan)
+        out, next_plan = (self.step_graphs or self.decoder).step_and_plan(state, self.plan)
         after = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
         models = engine.models()
         nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in models], 1)  # [B, models]
         parts = [out.counts[:, None], out.tokens, nonfinite.long()]
         if out.logprobs is not None:
             parts.append(out.logprobs.view(torch.int32).long())  # the float bits ride along in the one read
-        next_plan = self.decoder.plan(state)
         if next_plan is not None:
             parts.append(next_plan)
         host = read_host(torch.cat(parts, dim=1))  # the one read

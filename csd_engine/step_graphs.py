@@ -1,6 +1,6 @@
 """One CUDA graph per decoding step (`Engine(cuda_graphs="step")`): the whole step (drafter
-forwards, MaG, reviews, verification, commit) replays as one graph instead of hundreds of
-launches from Python.
+forwards, MaG, reviews, verification, commit, and the next step's plan: Decoder.step_and_plan)
+replays as one graph instead of hundreds of launches from Python.
 
 A step is a fixed sequence of device work given host-known values only (strategies/base.py):
 the decoder's configuration, the column maxima of the plan it reads (the widths and rounds
@@ -11,7 +11,7 @@ keys stay few. The first step of a key runs eagerly on the capture stream (warm-
 compiles, cuBLAS picks its kernels), the second is captured and replayed, later ones replay.
 
 The state, caches and metrics are updated in place (their addresses are what a graph holds);
-a step's StepOutput is the graph's static output, valid until the next step. Host counters
+a step's StepOutput and plan are the graph's static outputs, valid until the next step. Host counters
 (forwards per model) are what the captured step counted, added per replay. Graphs of one
 scheduler share a memory pool: they never run at the same time. A key whose capture fails
 (an op CUDA cannot capture) runs eagerly from then on, with a warning: slower, same tokens.
@@ -50,7 +50,7 @@ class CudaCapture:
 
 
 class StepGraphs:
-    """`step(state, plan)` with the decoder's step replayed from one graph per key (module
+    """`step_and_plan(state, plan)` with the decoder's replayed from one graph per key (module
     docstring). drafters: how many the engine has (host counters per drafter);
     max_committed_limit: the largest max_committed a step can see (the rounded
     value never exceeds it, so every bound stays within the caches)."""
@@ -71,28 +71,28 @@ class StepGraphs:
                     max(self.limit, state.max_committed))
         return columns, bound, state.all_greedy, state.any_filtered, state.max_top_k, state.want_logprobs
 
-    def step(self, state, plan):
+    def step_and_plan(self, state, plan):
         key = self.key(state, plan)
         columns, bound = key[0], key[1]
         plan = None if columns is None else [list(columns)]  # the step reads only the column maxima
         exact, state.max_committed = state.max_committed, bound
         try:
             if key in self.eager:
-                return self.decoder.step(state, plan)
+                return self.decoder.step_and_plan(state, plan)
             if key not in self.warm:
                 self.warm.add(key)
-                return self.capture.warm_up(lambda: self.decoder.step(state, plan))
+                return self.capture.warm_up(lambda: self.decoder.step_and_plan(state, plan))
             metrics, n = state.metrics, self.drafters
             if key not in self.graphs:
                 before = _host_counts(metrics, n)
                 try:
-                    graph, out = self.capture.capture(lambda: self.decoder.step(state, plan))
+                    graph, out = self.capture.capture(lambda: self.decoder.step_and_plan(state, plan))
                 except Exception as exc:  # noqa: BLE001  a capture runs nothing: the step can still run eagerly
                     _set_host_counts(metrics, before)
                     self.eager.add(key)
                     log.warning("cuda_graphs='step': capturing a step of %s failed (%s: %s); steps of this "
                                 "shape run eagerly", type(self.decoder).__name__, type(exc).__name__, exc)
-                    return self.decoder.step(state, plan)
+                    return self.decoder.step_and_plan(state, plan)
                 self.graphs[key] = graph, out, [a - b for a, b in zip(_host_counts(metrics, n), before)]
                 _set_host_counts(metrics, before)  # counted below, as for every replay
             graph, out, counted = self.graphs[key]

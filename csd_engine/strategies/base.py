@@ -214,6 +214,12 @@ class Decoder:
         column maxima when replayed from a graph): emit, commit, roll back."""
         raise NotImplementedError
 
+    def step_and_plan(self, state: DecodeState, plan) -> tuple[StepOutput, torch.Tensor | None]:
+        """The step, then the next step's plan from the state it leaves: what the scheduler runs
+        before its one read, so that a step graph holds the plan's work too (none of it is
+        launched from Python between graphs)."""
+        return self.step(state, plan), self.plan(state)
+
 
 def require_one_device(models: Models, strategy: str) -> None:
     """Strategies other than Pearl run every model on the engine's device."""
