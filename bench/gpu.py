@@ -394,6 +394,7 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), 
                 row.update(tokens_per_s=sum(r.metrics.new_tokens for r in results) / seconds,
                            ms_per_step=seconds / forwards * 1e3,
                            mean_accepted=sum(r.metrics.mean_accepted_tokens for r in results) / batch,
+                           drafted_per_step=sum(r.metrics.drafted / r.metrics.target_forwards for r in results) / batch,
                            same_tokens_as_eager=[r.token_ids for r in results] == reference)
                 progress(f"step graphs {name}, batch {batch}: {row['ms_per_step']:.2f} ms/step, "
                          f"same tokens: {row['same_tokens_as_eager']}")
@@ -410,6 +411,10 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), 
 # -- 6. where a target forward's GPU time goes ------------------------------------------------------
 def kernel_category(name: str) -> str:
     lowered = name.lower()
+    if "verify" in lowered:
+        return "verify"
+    if "_mag_kernel" in lowered:
+        return "mag"
     if "attention" in lowered or "attn" in lowered or "flash" in lowered or "fmha" in lowered:
         return "attention"
     if "rmsnorm" in lowered or "rope" in lowered:
@@ -465,6 +470,55 @@ def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
                              of_floor=floor_ms / replay_ms))
             progress(f"forward {rows[-1]['path']} n={n}: graph {replay_ms:.2f} ms, kernels {busy:.2f} ms")
     runner.fused = models.fused
+    return rows
+
+
+def bench_step_profile(models: Models) -> list[dict]:
+    """Each strategy's GPU kernel time per step by category (torch.profiler over one eager
+    generate with the Triton attention: the kernels a step graph replays), its kernels per
+    step, and its five costliest kernels outside the model forwards. A step graph costs about
+    the kernel time plus a few microseconds per kernel, so this says what the cascade's step
+    adds to the chain's and where."""
+    from torch.profiler import ProfilerActivity, profile
+    device = models.device
+    on_gpu = device.type == "cuda"
+    prompt = models.prompt()
+    params = csd_engine.SamplingParams(max_new_tokens=min(64, models.sizes.new_tokens), ignore_eos=True)
+    strategies = [("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False),
+                  ("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0,
+                                                                          mag_tokens=4), True),
+                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
+    target, drafter = models.target_runner, models.drafter_runner
+    rows = []
+    try:
+        target.attention_backend = drafter.attention_backend = "triton"
+        for name, strategy, with_mag in strategies:
+            engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
+            engine.generate([prompt], params, strategy=strategy)  # warm-up: Triton compiles
+            with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+                result = engine.generate([prompt], params, strategy=strategy)[0]
+                sync(device)
+            steps = result.metrics.target_forwards
+            by_category, kernels, outside = defaultdict(float), 0, []
+            for event in prof.key_averages():
+                if on_gpu and (event.device_type != torch.autograd.DeviceType.CUDA or event.self_device_time_total <= 0):
+                    continue
+                us = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / steps
+                category = kernel_category(event.key)
+                by_category[category] += us / 1e3
+                kernels += event.count
+                if category not in ("matmul", "attention", "norm_rope"):
+                    outside.append((us, event.count / steps, event.key))
+            outside.sort(reverse=True)
+            rows.append(dict(strategy=name, steps=steps, kernels_per_step=kernels / steps,
+                             kernel_ms_per_step=sum(by_category.values()),
+                             **{f"{c}_ms": by_category[c] for c in ("matmul", "attention", "norm_rope", "verify", "mag",
+                                                                     "other")},
+                             top_other=[dict(kernel=k[:120], us_per_step=us, per_step=n) for us, n, k in outside[:5]]))
+            progress(f"step profile {name}: {rows[-1]['kernels_per_step']:.0f} kernels, "
+                     f"{rows[-1]['kernel_ms_per_step']:.2f} ms per step")
+    finally:
+        target.attention_backend = drafter.attention_backend = "sdpa"
     return rows
 
 
@@ -620,7 +674,7 @@ def print_section(title: str, result, columns) -> None:
     print_table(rows, columns)
 
 
-SECTIONS = ("verify", "attention", "autoregressive", "step_split", "forward_profile", "quantized_drafter",
+SECTIONS = ("verify", "attention", "autoregressive", "step_split", "step_profile", "forward_profile", "quantized_drafter",
             "batch_invariance", "pearl", "transformers_compiled")
 
 
@@ -690,6 +744,18 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("norm_rope_ms", "norm+rope kernels", ".2f"), ("other_ms", "other", ".2f"),
                        ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
 
+    if "step_profile" in wanted:
+        step_profile = report.run("step_profile", lambda: bench_step_profile(models))
+        print_section(f"GPU kernel time per step (ms; torch.profiler, one eager generate, batch 1, greedy, {shape}-shaped "
+                      "pair, Triton attention: the kernels a step graph replays)", step_profile,
+                      [("strategy", "strategy", "s"), ("kernels_per_step", "kernels", ".0f"),
+                       ("kernel_ms_per_step", "kernel ms", ".2f"), ("matmul_ms", "matmul", ".2f"),
+                       ("attention_ms", "attention", ".2f"), ("norm_rope_ms", "norm+rope", ".2f"),
+                       ("verify_ms", "verify", ".3f"), ("mag_ms", "MaG", ".3f"), ("other_ms", "other", ".3f")])
+        for row in step_profile if isinstance(step_profile, list) else []:
+            top = "; ".join(f"{t['kernel'][:60]} {t['us_per_step']:.1f} us ({t['per_step']:.1f}x)" for t in row["top_other"])
+            print(f"  {row['strategy']}: {top}")
+
     if "quantized_drafter" in wanted:
         quantized = report.run("quantized_drafter", lambda: bench_quantized_drafter(models))
         print_section(f"the drafter ({sizes.drafter_layers} {shape} layers + head) with weight-only quantized "
@@ -728,7 +794,8 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("acceptance", "accept", ".2f"), ("timed_ms_per_step", "timed ms/step", ".2f"),
                        ("target_ms", "target", ".2f"), ("drafters_ms", "drafters", ".2f"), ("verify_ms", "verify", ".2f"),
                        ("sample_ms", "sample", ".2f"), ("mag_ms", "MaG", ".2f"), ("other_ms", "other", ".2f"),
-                       ("graphs", "graphs", "d"), ("same_tokens_as_eager", "= eager", "")])
+                       ("graphs", "graphs", "d"), ("drafted_per_step", "drafted", ".2f"),
+                       ("same_tokens_as_eager", "= eager", "")])
 
     if "pearl" in wanted:
         pearl = report.run("pearl", lambda: bench_pearl(models))

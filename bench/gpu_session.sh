@@ -11,7 +11,8 @@
 #   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
 #                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
 #                                      # step graphs; the chain and the cascade also sampling with top-k /
-#                                      # top-p at batch 1), then the sync, real-graph and compiled MaG tests in the time left
+#                                      # top-p at batch 1; then each step's GPU kernel time by category), then the sync,
+#                                      # real-graph and compiled MaG tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "[gpu_session] gpu tests done at $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = open ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections step_split \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections step_split,step_profile \
       2>&1 | tee "$OUT/gpu.log" | grep -v '^\['
   left=$(( ${SESSION_S:-420} - ($(date +%s) - start) ))
   [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \
