@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 if __package__ in (None, ""):  # run as `python bench/gpu.py`: make the `bench` package importable
@@ -411,8 +411,9 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), 
 # -- 6. where a target forward's GPU time goes ------------------------------------------------------
 def kernel_category(name: str) -> str:
     lowered = name.lower()
-    if "verify" in lowered:
-        return "verify"
+    if any(name in lowered for name in ("_stats_kernel", "_position_kernel", "_emit_split_kernel", "_emit_kernel",
+                                         "_tree_verify_kernel")):
+        return "verify"  # kernels/verify.py's four, tree_verify.py's one
     if "_mag_kernel" in lowered:
         return "mag"
     if "attention" in lowered or "attn" in lowered or "flash" in lowered or "fmha" in lowered:
@@ -483,16 +484,23 @@ def bench_step_profile(models: Models) -> list[dict]:
     device = models.device
     on_gpu = device.type == "cuda"
     prompt = models.prompt()
-    params = csd_engine.SamplingParams(max_new_tokens=min(64, models.sizes.new_tokens), ignore_eos=True)
-    strategies = [("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False),
-                  ("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0,
-                                                                          mag_tokens=4), True),
-                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
+    greedy = csd_engine.SamplingParams(max_new_tokens=min(64, models.sizes.new_tokens), ignore_eos=True)
+    sampling = replace(greedy, temperature=0.8, top_k=50, top_p=0.95, seed=1)
+    cascade = csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4)
+    strategies = [("autoregressive", csd_engine.Autoregressive(), False, greedy),
+                  ("chain k=4", csd_engine.Speculative(k=4), False, greedy),
+                  ("cascade K=[[4,2],[0,4]] l=2, MaG", cascade, True, greedy),
+                  ("Speculative.auto()", csd_engine.Speculative.auto(), False, greedy),
+                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True, greedy),
+                  # top-k / top-p: the chain's sampling step cost 4.2 ms more than its greedy one (H200 run 7)
+                  ("autoregressive, T=0.8 top-k 50 top-p 0.95", csd_engine.Autoregressive(), False, sampling),
+                  ("chain k=4, T=0.8 top-k 50 top-p 0.95", csd_engine.Speculative(k=4), False, sampling),
+                  ("cascade, T=0.8 top-k 50 top-p 0.95", cascade, True, sampling)]
     target, drafter = models.target_runner, models.drafter_runner
     rows = []
     try:
         target.attention_backend = drafter.attention_backend = "triton"
-        for name, strategy, with_mag in strategies:
+        for name, strategy, with_mag, params in strategies:
             engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
             engine.generate([prompt], params, strategy=strategy)  # warm-up: Triton compiles
             with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
@@ -746,7 +754,7 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
 
     if "step_profile" in wanted:
         step_profile = report.run("step_profile", lambda: bench_step_profile(models))
-        print_section(f"GPU kernel time per step (ms; torch.profiler, one eager generate, batch 1, greedy, {shape}-shaped "
+        print_section(f"GPU kernel time per step (ms; torch.profiler, one eager generate, batch 1, {shape}-shaped "
                       "pair, Triton attention: the kernels a step graph replays)", step_profile,
                       [("strategy", "strategy", "s"), ("kernels_per_step", "kernels", ".0f"),
                        ("kernel_ms_per_step", "kernel ms", ".2f"), ("matmul_ms", "matmul", ".2f"),
