@@ -502,7 +502,7 @@ class Scheduler:
             runner.cache.lengths[index.to(runner.device)] = state.committed[index].to(runner.device)
             runner.nonfinite_rows.masked_fill_(mask.to(runner.device), False)
         state.metrics.reset_rows(mask)
-        self.decoder.admit(mask)
+        self.decoder.admit(state, mask)
         self._rows_changed()
 
     def _free(self, request: Request) -> None:

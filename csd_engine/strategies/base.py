@@ -197,8 +197,9 @@ class Decoder:
     def start(self, state: DecodeState) -> None:
         """Once per decode state, before any request: allocate per-row buffers beside it."""
 
-    def admit(self, rows: torch.Tensor) -> None:
-        """New requests took `rows` ([B] bool): forget what the decoder kept of theirs."""
+    def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
+        """New requests took `rows` ([B] bool; their settings are in `state`): forget what the
+        decoder kept of theirs, derive what it keeps per request."""
 
     def plan(self, state: DecodeState) -> torch.Tensor | None:
         """[B, C] int64 per-row values the next step's shapes depend on, read by the scheduler

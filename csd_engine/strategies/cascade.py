@@ -25,8 +25,8 @@ function of the prefix alone (a deterministic child of the tree rule): lossless 
 temperature. After a branch wins, every drafter rolls back to where the path left the trunk.
 
 Random numbers: a row's review r at drafter d draws from stream 1 + 1024 (d + 1) + r, r
-counted per row, so a row's tokens never depend on what else shares the batch. A step derives
-the seeds of every review it can run at once (Working.seeds), not one review at a time.
+counted per row, so a row's tokens never depend on what else shares the batch. The seeds of
+every review a step can run are derived once per request, when it is admitted (review_seeds).
 """
 from dataclasses import dataclass
 
@@ -190,6 +190,17 @@ class CascadeDecoder(Decoder):
         self.review_streams = {d: torch.arange(reviews, device=models.device) + 1 + 1024 * (d + 1) for d in self.neural}
         self._k_rows = None  # _k_plan's two plan rows, per batch size
         self._budget_rows = {}  # batch size -> _constant_budgets
+        self.review_seeds = {}  # neural drafter -> [B, reviews per step] each row's review seeds (start / admit)
+
+    def start(self, state: DecodeState) -> None:
+        self.review_seeds = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
+                             for d, streams in self.review_streams.items()}
+
+    def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
+        """The admitted rows' review seeds, from their request seeds (in place: a step graph reads them)."""
+        for d, streams in self.review_streams.items():
+            seeds = self.review_seeds[d]
+            seeds.copy_(torch.where(rows[:, None], stream_seed(state.seed[:, None], streams[None, :]), seeds))
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
@@ -316,8 +327,7 @@ class CascadeDecoder(Decoder):
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
-        seeds = None if state.all_greedy else {d: stream_seed(state.seed[:, None], streams[None, :])
-                                               for d, streams in self.review_streams.items()}
+        seeds = None if state.all_greedy else self.review_seeds
         return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev), seeds,
                        max(columns[:n]), rounds, width, alt, origin)
 

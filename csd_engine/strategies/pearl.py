@@ -144,7 +144,7 @@ class PearlDecoder(Decoder):
         state.metrics.draft_lengths = torch.zeros(b, self.gamma + 1, dtype=torch.int64, device=dev)
         state.metrics.wait_time_s = {"drafter": 0.0, "target": 0.0}
 
-    def admit(self, rows: torch.Tensor) -> None:
+    def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
         """New requests in `rows` ([B] bool) start without carried drafts."""
         self.post &= ~rows
 
