@@ -124,10 +124,13 @@ def bench_verify(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> li
                 logits = 3 * torch.randn(batch, k + 1, vocab, device=device)
                 drafts = logits[:, :k].argmax(-1)  # greedy rows accept all k and emit the bonus
                 num_drafts = torch.full((batch,), k, dtype=torch.int64, device=device)
-                for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
+                # filtered rows search their top-k / top-p cut-off (kernels/sampling.py's row_cutoff)
+                for mode, temperature, top_k, top_p in (("greedy", 0.0, 0, 1.0), ("sampling", 1.0, 0, 1.0),
+                                                        ("top-k 50 top-p 0.95", 1.0, 50, 0.95),
+                                                        ("top-p 0.95", 1.0, 0, 0.95)):
                     args = dict(temperature=torch.full((batch,), temperature, device=device),
-                                top_k=torch.zeros(batch, dtype=torch.int32, device=device),
-                                top_p=torch.ones(batch, device=device),
+                                top_k=torch.full((batch,), top_k, dtype=torch.int32, device=device),
+                                top_p=torch.full((batch,), top_p, device=device),
                                 seed=torch.randint(0, 2**31, (batch,), device=device),
                                 offset=torch.zeros(batch, dtype=torch.int64, device=device))
                     call = lambda: verify(logits, drafts, num_drafts, None, **args)  # noqa: E731
@@ -135,7 +138,7 @@ def bench_verify(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> li
                     gb_per_s = logits.numel() * 4 / replay_ms / 1e6
                     rows.append(dict(vocab=vocab, batch=batch, k=k, mode=mode, us=ms * 1e3, graph_us=replay_ms * 1e3,
                                      gb_per_s=gb_per_s, of_copy=gb_per_s / copy_gb_per_s))
-                progress(f"verify V={vocab} B={batch} k={k}: {rows[-2]['us']:.1f} / {rows[-1]['us']:.1f} us")
+                progress(f"verify V={vocab} B={batch} k={k}: " + " / ".join(f"{r['us']:.1f}" for r in rows[-4:]) + " us")
     return rows
 
 

@@ -14,7 +14,16 @@ Cut-off search (device): the cut-off is always one of the row's z values, so it 
 over ordered keys. Each sweep counts the entries (top-k) or sums their exp(z - max) mass (top-p)
 at NUM_PIVOTS evenly spaced keys of the current key range, keeps the sub-range where the answer
 lies and shrinks it to the entries inside: at most 9 sweeps for the 2^32 keys (a bisection needs
-32), fewer once the range holds a single entry. `processed_ref` finds the same entry on a
+32), fewer once the range holds a single entry. The sweeps run over a row's candidates, not the
+whole row, where they fit CANDIDATES: the entries at or above a lower bound of the cut-off,
+copied to a workspace in one sweep. The bound: with top-k, the k-th largest maximum of the row's
+blocks of BOUND_BLOCK entries (k entries reach it; found by the same search over the maxima);
+with top-p alone, max + log((1 - top_p) sum / V) - 1 (the entries below it hold less than
+1 - top_p of the mass). A search program thus reads its row twice with top-k (the maxima, the
+candidates) or once with top-p alone and then sweeps at most CANDIDATES entries, where a search
+over the row reads all of it up to 9 times per filter (one program per row and position runs
+it: at small batch, its sweeps are the cut-off's latency). Where the candidates overflow, the
+sweeps read the row from the bound. `processed_ref` finds the same entry on a
 descending sort (or a partial sort: of a host-known width, or on the CPU one that widens as
 needed). Their fp32 mass sums round differently, so a top_p within rounding of 1 may end the
 nucleus at different tail entries, whose mass is below that rounding; elsewhere they agree exactly.
@@ -32,6 +41,9 @@ from .random import gumbel
 MAX_BLOCK_V = 2048
 MAX_SEARCH_BLOCK = 256  # the cut-off search works on [block, NUM_PIVOTS] tiles: they must fit in registers
 NUM_PIVOTS = 16
+BOUND_BLOCK = 32  # entries per block whose maxima bound a top-k cut-off from below (top_k <= V / BOUND_BLOCK)
+CANDIDATES = 1024  # the most entries at or above the bound that the search sweeps instead of the row
+_BOUND_BLOCK, _CANDIDATES = tl.constexpr(BOUND_BLOCK), tl.constexpr(CANDIDATES)  # as the kernels see them
 
 
 @triton.jit
@@ -151,19 +163,87 @@ def cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo, goal,
 
 
 @triton.jit
-def row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass, top_k, top_p,
+def block_maxima(row_ptr, V, divisor, out_ptr, BLOCK: tl.constexpr):
+    """Stores the maximum of each BOUND_BLOCK entries of z at out_ptr[i]; returns how many blocks
+    and the smallest maximum."""
+    per_block = tl.arange(0, BLOCK // _BOUND_BLOCK)
+    smallest = float("inf")
+    for start in range(0, V, BLOCK):
+        _, _, z = load_z(row_ptr, start, V, divisor, BLOCK)
+        maxima = tl.max(tl.reshape(z, (BLOCK // _BOUND_BLOCK, _BOUND_BLOCK)), 1)
+        ids = start // _BOUND_BLOCK + per_block
+        real = ids * _BOUND_BLOCK < V
+        tl.store(out_ptr + ids, maxima, mask=real)
+        smallest = tl.minimum(smallest, tl.min(tl.where(real, maxima, float("inf")), 0))
+    return (V + _BOUND_BLOCK - 1) // _BOUND_BLOCK, smallest
+
+
+@triton.jit
+def gather_candidates(row_ptr, V, divisor, row_max, low, out_ptr, BLOCK: tl.constexpr):
+    """Copies the entries z >= low to out_ptr (the first CANDIDATES of them, in row order);
+    returns how many there are and their mass, the sum of exp(z - row_max)."""
+    count = tl.zeros((), tl.int32)
+    mass = 0.0
+    for start in range(0, V, BLOCK):
+        _, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK)
+        keep = in_row & (z >= low)
+        slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(out_ptr + slot, z, mask=keep & (slot < _CANDIDATES))
+        count += tl.sum(keep.to(tl.int32), 0)
+        mass += tl.sum(tl.where(keep, tl.exp(z - row_max), 0.0), 0)
+    return count, mass
+
+
+@triton.jit
+def row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass, top_k, top_p, scratch_ptr,
                SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """threshold (-inf unless by_count | by_mass) and the kept mass sum exp(z - row_max) over
-    z >= threshold, from the row's statistics; lse = row_max + log(kept mass)."""
+    z >= threshold, from the row's statistics; lse = row_max + log(kept mass). scratch_ptr: the
+    program's row of cutoff_workspace (the candidates, then the block maxima).
+    The searches run over the candidates where they fit, else over the row from the bound."""
+    one, zero = tl.full((), 1.0, tl.float32), tl.full((), 0.0, tl.float32)
     key_lo = ordered_key(row_min)
+    key_hi = ordered_key(row_max)
     mass_lo = row_sum
+    low = row_min  # a lower bound of the cut-off (module docstring)
     if by_count:
-        key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, ordered_key(row_max), mass_lo,
-                                        top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+        blocks, smallest = block_maxima(row_ptr, V, divisor, scratch_ptr + _CANDIDATES, SEARCH_BLOCK)
+        tl.debug_barrier()  # the maxima every thread stored, before any thread reads them
+        if top_k <= blocks:
+            key, _ = cutoff_search(scratch_ptr + _CANDIDATES, blocks, one, row_max, ordered_key(smallest), key_hi,
+                                   zero, top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+            low = key_value(key)
+    elif by_mass:
+        low = tl.maximum(row_min, row_max + tl.log((1.0 - top_p) * row_sum / V) - 1.0)
+    count = tl.full((), _CANDIDATES + 1, tl.int32)  # no candidates: the searches sweep the row
+    if (by_count | by_mass) & (low > row_min):
+        count, mass_lo = gather_candidates(row_ptr, V, divisor, row_max, low, scratch_ptr, SEARCH_BLOCK)
+        tl.debug_barrier()  # the candidates every thread stored, before any thread reads them
+        key_lo = ordered_key(low)
+    fits = count <= _CANDIDATES
+    kept = row_sum  # the mass top-p takes its share of: the row's, or what top-k keeps
+    if by_count:
+        if fits:
+            key_lo, mass_lo = cutoff_search(scratch_ptr, count, one, row_max, key_lo, key_hi, mass_lo,
+                                            top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+        else:
+            key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
+                                            top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+        kept = mass_lo
     if by_mass:
-        key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, ordered_key(row_max), mass_lo,
-                                        top_p * mass_lo, True, SEARCH_BLOCK, NUM_PIVOTS)
+        if fits:
+            key_lo, mass_lo = cutoff_search(scratch_ptr, count, one, row_max, key_lo, key_hi, mass_lo,
+                                            top_p * kept, True, SEARCH_BLOCK, NUM_PIVOTS)
+        else:
+            key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
+                                            top_p * kept, True, SEARCH_BLOCK, NUM_PIVOTS)
     return tl.where(by_count | by_mass, key_value(key_lo), float("-inf")), mass_lo
+
+
+def cutoff_workspace(programs: int, vocab: int, device) -> torch.Tensor:
+    """[programs, floats] float32: the workspace of row_cutoff's programs (its candidates, then
+    its block maxima), uninitialised (a kernel writes before it reads)."""
+    return torch.empty(programs, CANDIDATES + triton.cdiv(vocab, BOUND_BLOCK), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -180,13 +260,14 @@ def row_settings(temperature_ptr, top_k_ptr, top_p_ptr, row, V):
 
 @triton.jit
 def _processed_kernel(logits_ptr, stride_lr, temperature_ptr, top_k_ptr, top_p_ptr, threshold_ptr, lse_ptr,
-                      argmax_ptr, V, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                      argmax_ptr, scratch_ptr, stride_s, V, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                      NUM_PIVOTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_lr
     sampling, divisor, top_k, top_p, by_count, by_mass = row_settings(temperature_ptr, top_k_ptr, top_p_ptr, row, V)
     row_max, row_sum, row_min, argmax, _, _ = row_stats(row_ptr, 0, V, V, divisor, 0, 0, False, BLOCK_V)
     threshold, kept_mass = row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass, top_k,
-                                      top_p, SEARCH_BLOCK, NUM_PIVOTS)
+                                      top_p, scratch_ptr + row * stride_s, SEARCH_BLOCK, NUM_PIVOTS)
     tl.store(threshold_ptr + row, threshold)
     tl.store(lse_ptr + row, row_max + tl.log(kept_mass))
     tl.store(argmax_ptr + row, argmax.to(tl.int64))
@@ -195,7 +276,7 @@ def _processed_kernel(logits_ptr, stride_lr, temperature_ptr, top_k_ptr, top_p_p
 def block_sizes(vocab: int, max_block: int = MAX_BLOCK_V) -> tuple[int, int, int]:
     """(BLOCK_V, SEARCH_BLOCK, num_warps) for sweeps over a vocabulary of `vocab`."""
     block_v = min(triton.next_power_of_2(vocab), max_block)
-    return block_v, min(block_v, MAX_SEARCH_BLOCK), max(1, min(8, block_v // 256))
+    return block_v, max(BOUND_BLOCK, min(block_v, MAX_SEARCH_BLOCK)), max(1, min(8, block_v // 256))
 
 
 def processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -212,9 +293,10 @@ def processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     lse = torch.empty_like(threshold)
     argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
     block_v, search_block, num_warps = block_sizes(vocab)
+    scratch = cutoff_workspace(rows, vocab, logits.device)
     _processed_kernel[(rows,)](logits, logits.stride(0), temperature.to(torch.float32).contiguous(),
                                top_k.contiguous(), top_p.to(torch.float32).contiguous(), threshold, lse, argmax,
-                               vocab, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS,
+                               scratch, scratch.stride(0), vocab, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS,
                                num_warps=num_warps)
     return threshold, lse, argmax
 

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z, may_read, probs_ref,
-                       processed_ref, row_cutoff, row_settings, row_stats)
+from .sampling import (NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_z, may_read,
+                       probs_ref, processed_ref, row_cutoff, row_settings, row_stats)
 
 MAX_BLOCK_V = 1024
 NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
@@ -95,7 +95,7 @@ def _sample_residual(residual_ptr, V, seed, counter, BLOCK_V: tl.constexpr):
 @triton.jit
 def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, stride_dn,
                         tokens_ptr, parents_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
-                        residual_ptr, num_accepted_ptr, accepted_nodes_ptr, next_token_ptr, N, V,
+                        residual_ptr, num_accepted_ptr, accepted_nodes_ptr, next_token_ptr, scratch_ptr, stride_s, N, V,
                         HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                         NUM_PIVOTS: tl.constexpr):
     """One program per row. The residual p' lives in the row's workspace, written in blocks
@@ -125,7 +125,8 @@ def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, 
             mass = 0.0
             if sampling:
                 threshold, kept_mass = row_cutoff(node_logits, V, divisor, row_max, row_sum, row_min, by_count,
-                                                  by_mass, top_k, top_p, SEARCH_BLOCK, NUM_PIVOTS)
+                                                  by_mass, top_k, top_p, scratch_ptr + b * stride_s, SEARCH_BLOCK,
+                                                  NUM_PIVOTS)
                 lse = row_max + tl.log(kept_mass)
                 mass = _write_target_probs(node_logits, residual_row, V, divisor, lse, threshold, BLOCK_V)
 
@@ -234,12 +235,13 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    scratch = cutoff_workspace(batch, vocab, device)
     _tree_verify_kernel[(batch,)](
         logits, logits.stride(0), logits.stride(1), draft, draft.stride(0), draft.stride(1),
         tokens.to(torch.int64).contiguous(), parents.to(torch.int64).contiguous(),
         temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
         top_p.to(torch.float32).contiguous(), seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous(),
-        residual, num_accepted, accepted_nodes, next_token, nodes, vocab,
+        residual, num_accepted, accepted_nodes, next_token, scratch, scratch.stride(0), nodes, vocab,
         HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS,
         num_warps=NUM_WARPS)
     return TreeVerifyResult(num_accepted, accepted_nodes, next_token)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, gumbel_update, load_z,
+from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_z,
                        merge_argmax, merge_stats, probs_ref, processed_ref, resolve_filtered, row_cutoff,
                        row_settings, row_stats)
 
@@ -85,7 +85,7 @@ def _stats_kernel(logits_ptr, stride_lb, stride_lj, num_drafts_ptr, temperature_
 def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
                      draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
                      offset_ptr, lenience_ptr, split_values_ptr, split_indices_ptr, lse_ptr, threshold_ptr,
-                     accepted_ptr, token_ptr, V, K, SPLITS, HAS_DRAFT_PROBS: tl.constexpr,
+                     accepted_ptr, token_ptr, scratch_ptr, stride_s, V, K, SPLITS, HAS_DRAFT_PROBS: tl.constexpr,
                      SPLITS_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     position = tl.program_id(1)
@@ -110,7 +110,7 @@ def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_
             tl.load(values + 3 * SPLITS, mask=real, other=float("-inf")),
             tl.load(indices + SPLITS, mask=real, other=2147483647))
         threshold, kept_mass = row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass, top_k,
-                                          top_p, SEARCH_BLOCK, NUM_PIVOTS)
+                                          top_p, scratch_ptr + out * stride_s, SEARCH_BLOCK, NUM_PIVOTS)
         lse = row_max + tl.log(kept_mass)
         tl.store(lse_ptr + out, lse)
         tl.store(threshold_ptr + out, threshold)
@@ -336,9 +336,10 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     _stats_kernel[(batch, positions, num_splits)](
         logits, logits.stride(0), logits.stride(1), num_drafts, *settings, seed, offset, split_values, split_indices,
         vocab, positions - 1, chunk, num_splits, BLOCK_V=block_v, num_warps=sweep_warps)
+    scratch = cutoff_workspace(batch * positions, vocab, device)
     _position_kernel[(batch, positions)](
         *row_inputs, *settings, seed, offset, lenience, split_values, split_indices, lse, threshold, accepted, token,
-        vocab, positions - 1, num_splits, HAS_DRAFT_PROBS=has_draft_probs, SPLITS_BLOCK=splits_block,
+        scratch, scratch.stride(0), vocab, positions - 1, num_splits, HAS_DRAFT_PROBS=has_draft_probs, SPLITS_BLOCK=splits_block,
         SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS, num_warps=search_warps)
     _emit_split_kernel[(batch, num_splits)](
         *row_inputs, temperature, seed, offset, lenience, lse, threshold, accepted, token, emit_values, emit_indices,

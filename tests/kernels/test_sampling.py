@@ -55,6 +55,35 @@ def test_device_thresholds_equal_reference(rows, vocab):
         assert want_threshold[b].item() == pytest.approx(want, rel=1e-6), f"{where}, row {b}"
 
 
+def test_searches_over_candidates_equal_reference():
+    """The cut-off searched over a row's candidates (the entries at or above a lower bound,
+    kernels/sampling.py) or, where they overflow the workspace, over the row from the bound,
+    equals processed_ref's: top-k within and past the block-maxima bound, top-p alone on peaked
+    and on flat rows, and ties at the bound too many to copy."""
+    from csd_engine.kernels.sampling import BOUND_BLOCK, CANDIDATES
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 3000
+    blocks = -(-vocab // BOUND_BLOCK)
+    peaked = 3 * torch.randn(6, vocab, generator=gen)
+    ints = torch.randint(-6, 7, (2, vocab), generator=gen).float()
+    flat = 0.01 * torch.randn(2, vocab, generator=gen)
+    tied_top = torch.where(torch.arange(vocab) < CANDIDATES + 300, 5.0, torch.randn(2, vocab, generator=gen))
+    logits = torch.cat([peaked, ints, flat, tied_top])
+    rows = logits.shape[0]
+    top_k = torch.tensor([1, 7, blocks, blocks + 1, 0, 0, 40, 0, 0, 0, 3, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 0.95, 0.5, 0.9, 0.7, 0.9, 0.99, 0.9, 0.6])
+    temperature = 0.5 + torch.rand(rows, generator=gen)
+    settings = [t.to(DEVICE) for t in (logits, temperature, top_k, top_p)]
+    threshold, lse, _ = processed(*settings)
+    z, want_threshold, want_lse = processed_ref(*settings)
+    assert torch.equal(threshold, want_threshold), f"seed={seed}: {threshold} != {want_threshold}"
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    for b in range(rows):
+        want = cutoff_by_definition(z[b].cpu(), int(top_k[b]), float(top_p[b]))
+        assert want_threshold[b].item() == pytest.approx(want, rel=1e-6), f"seed={seed}, row {b}"
+
+
 def test_verify_thresholds_equal_reference():
     """verify's split sweeps and merged statistics feed the same search: position by position its
     thresholds are processed_ref's."""
