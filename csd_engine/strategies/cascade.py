@@ -193,8 +193,11 @@ class CascadeDecoder(Decoder):
         self.review_seeds = {}  # neural drafter -> [B, reviews per step] each row's review seeds (start / admit)
 
     def start(self, state: DecodeState) -> None:
-        self.review_seeds = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
-                             for d, streams in self.review_streams.items()}
+        """The review seeds' buffers, kept for a later scheduler of as many rows: the step graphs
+        it replays (the engine keeps them) read these very tensors."""
+        if any(seeds.shape[0] != state.batch for seeds in self.review_seeds.values()) or not self.review_seeds:
+            self.review_seeds = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
+                                 for d, streams in self.review_streams.items()}
 
     def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
         """The admitted rows' review seeds, from their request seeds (in place: a step graph reads them)."""

@@ -104,19 +104,23 @@ def test_the_emulator_catches_a_step_that_keeps_state_in_python(models, monkeypa
 
 def test_a_later_scheduler_replays_the_kept_graphs_and_any_other_drops_them(models, monkeypatch):
     """The engine keeps the last scheduler's step graphs: the next generate with the same strategy
-    and rows replays them (no warm-up for a shape it has seen) and gives the eager tokens; a
-    scheduler of another strategy or row count drops them and captures its own."""
+    and rows replays them (no warm-up for a shape it has seen) and gives the eager tokens, with
+    other seeds too (what the decoder derives per request reaches the kept graphs); a scheduler
+    of another strategy or row count drops them and captures its own."""
     drafters, strategy = STRATEGIES["cascade3"]
     engine = Engine(models["target"], drafters=[models[d] if d != "mag" else "mag" for d in drafters],
                     max_batch_size=2, max_seq_len=64, verify_backend="torch")
     prompts = random_prompts(3, lo=2, hi=12, seed=83)
     params = SamplingParams(temperature=0.9, top_k=8, seed=5, max_new_tokens=14)
+    reseeded = dataclasses.replace(params, seed=6)
     eager = [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)]
+    eager_reseeded = [r.token_ids for r in run(engine, strategy, prompts, reseeded, rows=2)]
+    assert eager_reseeded != eager
     captures = []
     emulated(monkeypatch, captures)
     assert [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)] == eager
     warm_ups, replays = captures[0].warm_ups, captures[0].replays
-    assert [r.token_ids for r in run(engine, strategy, prompts, params, rows=2)] == eager
+    assert [r.token_ids for r in run(engine, strategy, prompts, reseeded, rows=2)] == eager_reseeded
     assert len(captures) == 1 and captures[0].warm_ups == warm_ups and captures[0].replays > replays + 10
     run(engine, strategy, prompts[:1], params, rows=1)
     run(engine, Autoregressive(), prompts[:1], params, rows=2)
