@@ -393,8 +393,8 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), 
 
                     # Warm-up: a step key runs eagerly on its first visit and is captured on its second, so
                     # a key visited once per batch (the first step's, a rare draft length) is captured in
-                    # the second batch. Two batches: the timed one only replays (a capture in it would
-                    # cost tens of ms of Python, spread over its steps).
+                    # the second batch. Two batches: the timed one only replays (a capture in it runs
+                    # the whole step's Python and instantiates a graph, spread over the timed steps).
                     one_batch()
                     one_batch()
                     graphs = scheduler.step_graphs.graphs if scheduler.step_graphs else {}

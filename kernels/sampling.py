@@ -201,7 +201,6 @@ def row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass
     z >= threshold, from the row's statistics; lse = row_max + log(kept mass). scratch_ptr: the
     program's row of cutoff_workspace (the candidates, then the block maxima).
     The searches run over the candidates where they fit, else over the row from the bound."""
-    one, zero = tl.full((), 1.0, tl.float32), tl.full((), 0.0, tl.float32)
     key_lo = ordered_key(row_min)
     key_hi = ordered_key(row_max)
     mass_lo = row_sum
@@ -210,8 +209,9 @@ def row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass
         blocks, smallest = block_maxima(row_ptr, V, divisor, scratch_ptr + _CANDIDATES, SEARCH_BLOCK)
         tl.debug_barrier()  # the maxima every thread stored, before any thread reads them
         if top_k <= blocks:
-            key, _ = cutoff_search(scratch_ptr + _CANDIDATES, blocks, one, row_max, ordered_key(smallest), key_hi,
-                                   zero, top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+            key, _ = cutoff_search(scratch_ptr + _CANDIDATES, blocks, tl.full((), 1.0, tl.float32), row_max,
+                                   ordered_key(smallest), key_hi, tl.full((), 0.0, tl.float32),
+                                   top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
             low = key_value(key)
     elif by_mass:
         low = tl.maximum(row_min, row_max + tl.log((1.0 - top_p) * row_sum / V) - 1.0)
@@ -220,24 +220,28 @@ def row_cutoff(row_ptr, V, divisor, row_max, row_sum, row_min, by_count, by_mass
         count, mass_lo = gather_candidates(row_ptr, V, divisor, row_max, low, scratch_ptr, SEARCH_BLOCK)
         tl.debug_barrier()  # the candidates every thread stored, before any thread reads them
         key_lo = ordered_key(low)
-    fits = count <= _CANDIDATES
     kept = row_sum  # the mass top-p takes its share of: the row's, or what top-k keeps
     if by_count:
-        if fits:
-            key_lo, mass_lo = cutoff_search(scratch_ptr, count, one, row_max, key_lo, key_hi, mass_lo,
-                                            top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
-        else:
-            key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
-                                            top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
+        key_lo, mass_lo = search_rows(scratch_ptr, count, row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
+                                      top_k.to(tl.float32), False, SEARCH_BLOCK, NUM_PIVOTS)
         kept = mass_lo
     if by_mass:
-        if fits:
-            key_lo, mass_lo = cutoff_search(scratch_ptr, count, one, row_max, key_lo, key_hi, mass_lo,
-                                            top_p * kept, True, SEARCH_BLOCK, NUM_PIVOTS)
-        else:
-            key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
-                                            top_p * kept, True, SEARCH_BLOCK, NUM_PIVOTS)
+        key_lo, mass_lo = search_rows(scratch_ptr, count, row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo,
+                                      top_p * kept, True, SEARCH_BLOCK, NUM_PIVOTS)
     return tl.where(by_count | by_mass, key_value(key_lo), float("-inf")), mass_lo
+
+
+@triton.jit
+def search_rows(scratch_ptr, count, row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo, goal,
+                BY_MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """cutoff_search over the `count` candidates where they fit the workspace, else over the row."""
+    if count <= _CANDIDATES:
+        key_lo, mass_lo = cutoff_search(scratch_ptr, count, tl.full((), 1.0, tl.float32), row_max, key_lo, key_hi,
+                                        mass_lo, goal, BY_MASS, SEARCH_BLOCK, NUM_PIVOTS)
+    else:
+        key_lo, mass_lo = cutoff_search(row_ptr, V, divisor, row_max, key_lo, key_hi, mass_lo, goal, BY_MASS,
+                                        SEARCH_BLOCK, NUM_PIVOTS)
+    return key_lo, mass_lo
 
 
 def cutoff_workspace(programs: int, vocab: int, device) -> torch.Tensor:

@@ -195,7 +195,7 @@ class CascadeDecoder(Decoder):
     def start(self, state: DecodeState) -> None:
         """The review seeds' buffers, kept for a later scheduler of as many rows: the step graphs
         it replays (the engine keeps them) read these very tensors."""
-        if any(seeds.shape[0] != state.batch for seeds in self.review_seeds.values()) or not self.review_seeds:
+        if not self.review_seeds or any(seeds.shape[0] != state.batch for seeds in self.review_seeds.values()):
             self.review_seeds = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
                                  for d, streams in self.review_streams.items()}
 
