@@ -218,8 +218,16 @@ class Decoder:
     def step_and_plan(self, state: DecodeState, plan) -> tuple[StepOutput, torch.Tensor | None]:
         """The step, then the next step's plan from the state it leaves: what the scheduler runs
         before its one read, so that a step graph holds the plan's work too (none of it is
-        launched from Python between graphs)."""
-        return self.step(state, plan), self.plan(state)
+        launched from Python between graphs). The step committed up to max_tokens_per_forward
+        tokens per row past the host's max_committed, which the plan's work (MaG's search) must
+        still cover."""
+        out = self.step(state, plan)
+        exact, state.max_committed = state.max_committed, state.max_committed + self.max_tokens_per_forward
+        try:
+            plan = self.plan(state)
+        finally:
+            state.max_committed = exact
+        return out, plan
 
 
 def require_one_device(models: Models, strategy: str) -> None:

@@ -102,6 +102,28 @@ def test_seeded_request_same_alone_in_batches_and_again(models, name):
     assert batch_a[0].token_ids == greedy_alone
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_the_plan_a_step_leaves_is_the_plan_of_the_state_it_left(models, name):
+    """A step computes the next step's plan (Decoder.step_and_plan) before the host read that
+    updates max_committed: it must be the plan of the state the read leaves, computed afresh.
+    (Bounded by the stale max_committed, MaG's search missed the last step's tokens: narrower
+    widths than the step's own proposals, for repetitive text.)"""
+    engine = engine_for(models, name, batch=3)
+    checked = 0
+    with engine.scheduler(STRATEGIES[name][1], rows=3) as scheduler:
+        for prompt in random_prompts(3, lo=3, hi=10, seed=2):  # the models' output repeats itself here
+            scheduler.add(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        while scheduler.has_unfinished():
+            scheduler.step()
+            if scheduler.plan is None or not scheduler.has_unfinished():
+                continue
+            fresh = scheduler.decoder.plan(scheduler.state).tolist()
+            live = scheduler._live()
+            assert scheduler.plan == [row for row, on in zip(fresh, live) if on], f"{name}: step {checked}"
+            checked += 1
+    assert checked > 5 or scheduler.decoder.plan(scheduler.state) is None
+
+
 def _free_run(engine, strategy, prompt, params, n):
     return engine.generate([prompt], SamplingParams(temperature=params.temperature, seed=params.seed,
                                                     max_new_tokens=n), strategy=strategy)[0]
