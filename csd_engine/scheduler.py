@@ -524,10 +524,12 @@ class Scheduler:
                 runner.cache.lengths[index.to(runner.device)] = 0
 
     def _read_plan(self):
-        """The decoder's plan rows of the occupied slots (read once in a step that admits)."""
+        """The decoder's plan rows of the occupied slots (read once in a step that admits), also
+        kept on the device for the step (DecodeState.follow_plan)."""
         rows = self.decoder.plan(self.state)
         if rows is None:
             return None
+        self.state.follow_plan(rows)
         return [row for row, live in zip(read_host(rows), self._live()) if live]
 
     def _update_hints(self) -> None:

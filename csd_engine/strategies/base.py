@@ -54,6 +54,7 @@ class DecodeState:
     max_top_k: int | None = None  # largest top_k of a row (host-known: a top-k cut-off without a full sort)
     want_logprobs: bool = False  # some row asked for its tokens' log-probabilities (host-known)
     metrics: "StepMetrics | None" = None  # the scheduler allocates it (StepMetrics.zeros)
+    plan: torch.Tensor | None = None  # [C, B] int64: the plan the next step follows, by column (follow_plan)
 
     @property
     def batch(self) -> int:
@@ -69,6 +70,17 @@ class DecodeState:
         self.max_committed, self.all_greedy, self.any_filtered = 0, True, True
         self.max_top_k, self.want_logprobs = None, False
         self.metrics.reset_rows(torch.ones_like(self.active))
+
+    def follow_plan(self, plan: torch.Tensor | None) -> None:
+        """Keep `plan` ([B, C], Decoder.plan's) as the plan the next step reads its per-row
+        values from, one contiguous [B] row per column, copied in place after the first time:
+        a step graph reads this very tensor."""
+        if plan is None:
+            return
+        if self.plan is None or self.plan.shape != plan.shape[::-1]:
+            self.plan = plan.t().contiguous()
+        else:
+            self.plan.copy_(plan.t())
 
     def sampling_args(self, stream: int | torch.Tensor = 0, seed: torch.Tensor | None = None) -> dict:
         """Per-row arguments of the verification kernels, with an independent random stream
@@ -202,31 +214,35 @@ class Decoder:
         decoder kept of theirs, derive what it keeps per request."""
 
     def plan(self, state: DecodeState) -> torch.Tensor | None:
-        """[B, C] int64 per-row values the next step's shapes depend on, read by the scheduler
-        with the step's tokens (its one host read); None: the step needs none."""
+        """[B, C] int64 per-row values the next step depends on, read by the scheduler with the
+        step's tokens (its one host read) for the step's host-known shapes (their column maxima),
+        and kept on the device for the step's per-row values (state.plan); None: none needed."""
         return None
 
     def graph_columns(self, columns: tuple) -> tuple:
-        """The plan's column maxima as a step graph's key; a decoder may zero what its step ignores."""
+        """The plan's column maxima as a step graph's key; a decoder zeroes what its step reads
+        from the device only (state.plan), or not at all."""
         return columns
 
     def step(self, state: DecodeState, plan) -> StepOutput:
-        """One decoding step over every row of `state`, given the plan's host rows (or their
-        column maxima when replayed from a graph): emit, commit, roll back."""
+        """One decoding step over every row of `state`, given the plan's host rows (or the graph
+        key's column maxima when replayed from a graph) and its device copy, state.plan: emit,
+        commit, roll back."""
         raise NotImplementedError
 
     def step_and_plan(self, state: DecodeState, plan) -> tuple[StepOutput, torch.Tensor | None]:
         """The step, then the next step's plan from the state it leaves: what the scheduler runs
         before its one read, so that a step graph holds the plan's work too (none of it is
-        launched from Python between graphs). The step committed up to max_tokens_per_forward
-        tokens per row past the host's max_committed, which the plan's work (MaG's search) must
-        still cover."""
+        launched from Python between graphs). The plan is also kept for the next step (state.plan).
+        The step committed up to max_tokens_per_forward tokens per row past the host's
+        max_committed, which the plan's work (MaG's search) must still cover."""
         out = self.step(state, plan)
         exact, state.max_committed = state.max_committed, state.max_committed + self.max_tokens_per_forward
         try:
             plan = self.plan(state)
         finally:
             state.max_committed = exact
+        state.follow_plan(plan)
         return out, plan
 
 

@@ -14,9 +14,11 @@ Glossary:
   whose next MaG match is at least `direct_match` tokens long sends up to `direct_tokens` of
   MaG's tokens straight to the target and skips the neural levels).
 * plan: per row, what the next step needs (how far each drafter's cache trails the committed
-  prefix, its budget of each neural source, the draft width it may fill), read with the
-  step's tokens; it fixes the host-known widths and review rounds of the next step (none for
-  a level no row uses; the target reads no wider than the widest row needs).
+  prefix, its budget and cap of each source, the draft width it may fill, whether it goes
+  direct), computed at the end of the step before and read with its tokens: its maxima fix
+  the host-known widths and review rounds of the next step (none for a level no row uses;
+  the target reads no wider than the widest row needs), and the step takes its per-row
+  budgets from the plan's device copy (state.plan), never pricing them twice.
 
 Tree at the top level (`tree=(b_1, b_2, ...)`): the target verifies the draft as the trunk of
 a token tree with b_d - 1 extra children at depth d: the most likely other tokens of the last
@@ -188,8 +190,10 @@ class CascadeDecoder(Decoder):
         self.scratch_slot = torch.tensor(self.max_width, device=models.device)  # work.q's and origin's last slot
         reviews = _reviews_per_step(plan)  # stream ids of each drafter's reviews 0, 1, ... in a step
         self.review_streams = {d: torch.arange(reviews, device=models.device) + 1 + 1024 * (d + 1) for d in self.neural}
-        self._k_rows = None  # _k_plan's two plan rows, per batch size
-        self._budget_rows = {}  # batch size -> _constant_budgets
+        n, count = len(models.drafters), len(self.sources)
+        self.width_column = count  # in the plan's columns after the lags: budgets, width, caps, direct
+        self.key_columns = [True] * n + [s.below is not None for s in self.sources] + [True] + [False] * (count + 1)
+        self._k_rows = {}  # batch size -> _k_tail's two constant rows
         self.review_seeds = {}  # neural drafter -> [B, reviews per step] each row's review seeds (start / admit)
 
     def start(self, state: DecodeState) -> None:
@@ -207,51 +211,65 @@ class CascadeDecoder(Decoder):
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
-        """[B, drafters + neural sources + 1]: per row, how far each drafter's cache trails the
-        committed prefix (0 for MaG), then its budget of each neural source (a review adds at
-        least one token, so that many review rounds are enough for the row; 0 when the row goes
-        direct or drafts nothing), then the widest draft it can fill (a direct row: MaG's
-        proposal length; any other: the bound of its own budgets, below the plan's where
-        Cascade.auto lowers a budget, so the target never reads the envelope's masked width)."""
+        """[B, drafters + 2 sources + 2]: per row, how far each drafter's cache trails the
+        committed prefix (0 for MaG); its budget of each source (for a neural one also the
+        review rounds enough for the row: a review adds at least one token; 0 when the row goes
+        direct or drafts nothing); the widest draft it can fill (a direct row: MaG's proposal
+        length; any other: the bound of its own budgets, below the plan's where Cascade.auto
+        lowers a budget, so the target never reads the envelope's masked width); the most
+        tokens one call of each MaG source adds to it (0 for a neural one); whether it goes
+        direct. The step reads the lags, neural budgets and width as host maxima (the graph
+        key, graph_columns), the rest on the device only (state.plan)."""
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]
-        if self.reads_proposal:  # the budgets weigh what MaG holds now: computed every step
-            direct, ready = self._direct(state)
-            return torch.stack(lag + self._plan_columns(state, direct, ready), 1)
-        by_k, direct_rows = self._k_plan(state)
-        tail = by_k
-        if self.direct_match:
-            direct, ready = self._direct(state)
-            tail = torch.where(direct[:, None], direct_rows, by_k)
-            tail[:, -1] = torch.where(direct, ready, by_k[:, -1])
+        direct, ready = self._direct(state)
+        if self.reads_proposal:  # budgets priced from what MaG holds now: computed every step
+            tail = self._tail(*self.budgets(state, direct, ready), direct, ready)
+        else:  # K's budgets depend on the row's direct flag alone: a selection (a few launches, not ~40)
+            tail = self._k_tail(state, direct)
+            if ready is not None:  # a direct row's width is its proposal's length
+                tail[:, self.width_column] = torch.where(direct, ready, tail[:, self.width_column])
         return torch.cat([torch.stack(lag, 1), tail], 1)
 
-    def _plan_columns(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None) -> list:
-        """The plan's columns after the lags: each neural source's budget, then the width."""
-        budgets, _ = self.budgets(state, direct, ready)
+    def _tail(self, budgets: list, caps: list, direct: torch.Tensor, ready: torch.Tensor | None) -> torch.Tensor:
+        """The plan's columns after the lags, from per-source budgets and caps (plan())."""
         width = draft_bound(self.levels, budgets, self.mag_tokens)
         width = width if ready is None else torch.where(direct, ready, width)
-        return [budgets[s.index] for s in self.sources if s.below is not None] + [width]
+        caps = [torch.zeros_like(width) if cap is None else cap for cap in caps]
+        return torch.stack(budgets + [width] + caps + [direct.long()], 1)
 
-    def _k_plan(self, state: DecodeState) -> tuple:
-        """([B, columns] of a row that drafts by K, the same of a direct row but its width), built
-        once per batch size: K's budgets depend on the row's direct flag alone, so a step's plan
-        is a selection (a few launches where computing it took ~40). plan() runs eagerly, never
-        inside a step graph's capture."""
-        if self._k_rows is None or self._k_rows[0].shape[0] != state.batch:
-            rows = (torch.zeros_like(state.active), torch.ones_like(state.active))
-            self._k_rows = tuple(torch.stack(self._plan_columns(state, d, None), 1) for d in rows)
-        return self._k_rows
+    def _k_tail(self, state: DecodeState, direct: torch.Tensor) -> torch.Tensor:
+        """[B, plan columns after the lags] of K's budgets: a row that drafts by K, or a direct row
+        (its width still K's). Both rows are device constants made once per batch size, when a
+        plan is first computed: the scheduler does that eagerly, before any step graph."""
+        if state.batch not in self._k_rows:
+            if state.pending.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cascade budgets first asked inside a CUDA graph capture: call plan() first")
+            budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
+            caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
+                    for s in self.sources]
+            direct_budgets, direct_caps = list(budgets), list(caps)
+            for s in self.sources:
+                if s.below is not None:
+                    direct_budgets[s.index] = torch.zeros_like(budgets[s.index])
+                elif s in self.levels.sources:
+                    direct_budgets[s.index] = torch.ones_like(budgets[s.index])
+                    direct_caps[s.index] = torch.full_like(caps[s.index], self.direct_tokens)
+            no = torch.zeros_like(budgets[0], dtype=torch.bool)
+            self._k_rows[state.batch] = (self._tail(budgets, caps, no, None),
+                                         self._tail(direct_budgets, direct_caps, ~no, None))
+        by_k, when_direct = self._k_rows[state.batch]
+        return torch.where(direct[:, None], when_direct, by_k) if self.direct_match else by_k
 
     def graph_columns(self, columns: tuple) -> tuple:
-        """The plan's column maxima as a step graph's key (csd_engine.step_graphs): the drafters'
+        """The plan's column maxima as a step graph's key: the lags, the neural sources' budgets
+        (review rounds) and the width; the rest the step reads on the device. The drafters'
         lags are 0 in a step without reviews (nothing reads them there; they grow every step a
         drafter sits out). Not rounded up: a wider catch-up feed could write past the cache's
         headroom for a row near max_seq_len."""
+        key = tuple(c if keep else 0 for c, keep in zip(columns, self.key_columns))
         n = len(self.models.drafters)
-        if any(columns[n:-1]):
-            return columns
-        return (0,) * n + columns[n:]
+        return key if any(key[n:n + len(self.sources)]) else (0,) * n + key[n:]
 
     def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B] bool: the row goes direct, [B] int64: the length of MaG's proposal (up to
@@ -267,42 +285,23 @@ class CascadeDecoder(Decoder):
 
     def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None) -> tuple[list, list]:
         """Per source and row, the tokens K asks, and for MaG sources the most tokens one call
-        adds (mag_tokens); a direct row asks nothing of its neural sources and one MaG call at
-        the top, whose proposal (up to its cap, direct_tokens) is the whole draft: the same tokens
-        the plan measured, however wide the step. `ready` (_direct's proposal lengths) is for
-        budgets that weigh what MaG holds now (Cascade.auto); K's ignore it."""
-        (budgets, caps), (direct_budgets, direct_caps) = self._constant_budgets(state)
-        if not self.direct_match:  # no row goes direct
-            return list(budgets), list(caps)
+        adds (mag_tokens; None for a neural source); a direct row asks nothing of its neural
+        sources and one MaG call at the top, whose proposal (up to its cap, direct_tokens) is the
+        whole draft: the same tokens the plan measured, however wide the step. `ready`
+        (_direct's proposal lengths) is for budgets that weigh what MaG holds now
+        (Cascade.auto); K's ignore it."""
+        tail = self._k_tail(state, direct)
+        return self._budget_columns(tail.t())
 
-        def select(by_k, when_direct):  # a where only for the sources a direct row changes
-            return [k if d is k else torch.where(direct, d, k) for k, d in zip(by_k, when_direct)]
-        return select(budgets, direct_budgets), select(caps, direct_caps)
-
-    def _constant_budgets(self, state: DecodeState) -> tuple:
-        """((budgets, caps) of a row that drafts by K, the same of a direct row), device
-        constants made once per batch size: built in a step they would be ~10 launches. plan()
-        asks first, eagerly; made inside a step graph's capture they would hold nothing."""
-        if state.batch not in self._budget_rows:
-            if state.pending.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("cascade budgets first asked inside a CUDA graph capture: call plan() first")
-            budgets = budgets_from_k(self.levels, state.batch, state.pending.device)
-            caps = [None if s.below is not None else torch.full_like(budgets[s.index], self.mag_tokens)
-                    for s in self.sources]
-            direct_budgets, direct_caps = list(budgets), list(caps)
-            for s in self.sources:
-                if s.below is not None:
-                    direct_budgets[s.index] = torch.zeros_like(budgets[s.index])
-                elif s in self.levels.sources:
-                    direct_budgets[s.index] = torch.ones_like(budgets[s.index])
-                    direct_caps[s.index] = torch.full_like(caps[s.index], self.direct_tokens)
-            self._budget_rows[state.batch] = ((budgets, caps), (direct_budgets, direct_caps))
-        return self._budget_rows[state.batch]
+    def _budget_columns(self, columns) -> tuple[list, list]:
+        """(budgets, caps) per source from the plan's columns after the lags (rows of [C, B])."""
+        caps = columns[self.width_column + 1:]
+        return ([columns[s.index] for s in self.sources],
+                [None if s.below is not None else caps[s.index] for s in self.sources])
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, state: DecodeState, plan) -> StepOutput:
-        direct, ready = self._direct(state)  # what the plan read (the same committed sequence)
-        budgets, caps = self.budgets(state, direct, ready)
+        budgets, caps = self._budget_columns(state.plan[len(self.models.drafters):])  # the plan's, per row
         work = self._working(state, plan, budgets, caps)
         length = self._draft(state, work, self.levels, work.base, state.active, grown=0)
         q = None if work.q is None else work.q[:, :work.width]
@@ -312,6 +311,7 @@ class CascadeDecoder(Decoder):
         else:
             out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
         if work.origin is not None:  # direct rows' long matches are not what MaG's rate prices
+            direct = state.plan[-1] > 0
             state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, state.active & ~direct,
                                          [s.index for s in self.levels.sources])
         roll_back_drafters(self.models.drafters, work.base + trunk)
@@ -321,11 +321,10 @@ class CascadeDecoder(Decoder):
     def _working(self, state: DecodeState, plan, budgets, caps) -> Working:
         b, dev = state.batch, state.pending.device
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
-        columns = [max(column) for column in zip(*plan)]  # over the active rows
+        columns = [max(column) for column in zip(*plan)]  # over the active rows (a graph: its key)
         n = len(self.models.drafters)
-        neural = [s.index for s in self.sources if s.below is not None]
-        rounds = dict(zip(neural, columns[n:-1]))
-        width = max(1, min(columns[-1], self.max_width))
+        rounds = {s.index: columns[n + s.index] for s in self.sources if s.below is not None}
+        width = max(1, min(columns[n + self.width_column], self.max_width))
         # one slot more than the widest draft: the scratch slot of entries not written (_write)
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None

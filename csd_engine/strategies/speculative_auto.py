@@ -67,8 +67,8 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         self.config, self.model_cost, self.width_costs = config, model_cost, width_costs
 
     def budget(self, state: DecodeState) -> torch.Tensor:
-        """[B] each active row's draft length for the next step (0 for the others). The plan and
-        the step each compute it from the same counts: a graphed step sees only the plan's maxima."""
+        """[B] each active row's draft length for the next step (0 for the others): the plan's
+        second column, which the step reads on the device (state.plan)."""
         counts, config = state.metrics, self.config
         rate = counted_rate(counts.source_accepted[0], counts.source_checked[0], config.prior, config.prior_rate)
         return chain_budget(rate, self.k, self.model_cost, self.width_costs) * state.active
@@ -85,7 +85,7 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         behind, rounds = [max(column) for column in zip(*plan)] or [0, 0]
         if rounds:
             draft = draft_chain(self.drafter, state, rounds, self.models.verifier, DRAFT_STREAM, self.drafter_index,
-                                max_behind=max(behind, 1), budget=self.budget(state),
+                                max_behind=max(behind, 1), budget=state.plan[1],
                                 min_confidence=self.min_confidence, stop_early=self.models.trim_drafts)
         else:  # nobody drafts: a plain decoding step, the drafter untouched
             draft = Draft.empty(state)

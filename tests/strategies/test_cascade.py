@@ -8,6 +8,7 @@ import torch
 
 from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative
 from csd_engine.strategies.cascade import _validate_k_matrix
+from csd_engine.strategies.cascade_plan import budgets_from_k, draft_bound
 from tests.strategies.common import (assert_greedy_equals_autoregressive, assert_samples_follow_target,
                                      check_proposals)
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
@@ -312,7 +313,14 @@ def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_m
     lag = [state.committed - engine.drafters[0].cache.lengths, torch.zeros_like(state.committed)]  # d1, MaG
     for _ in range(2):  # the first call builds the two rows, the second reuses them
         direct, ready = decoder._direct(state)
-        computed = torch.stack(lag + decoder._plan_columns(state, direct, ready), 1)
+        budgets = budgets_from_k(decoder.levels, 2, "cpu")  # sources: d1 (its MaG below), then MaG at the top
+        m = decoder.mag_tokens
+        caps = [torch.zeros(2, dtype=torch.int64), torch.full((2,), m), torch.full((2,), m)]
+        if direct_match:  # the first row: no neural tokens, one MaG call of up to direct_tokens
+            budgets[0][0], budgets[2][0], caps[2][0] = 0, 1, 6
+        width = draft_bound(decoder.levels, budgets, decoder.mag_tokens)
+        width = width if ready is None else torch.where(direct, ready, width)
+        computed = torch.stack(lag + budgets + [width] + caps + [direct.long()], 1)
         assert torch.equal(decoder.plan(state), computed)
     assert direct.tolist() == ([True, False] if direct_match else [False, False])
 

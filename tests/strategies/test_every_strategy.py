@@ -105,9 +105,10 @@ def test_seeded_request_same_alone_in_batches_and_again(models, name):
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_the_plan_a_step_leaves_is_the_plan_of_the_state_it_left(models, name):
     """A step computes the next step's plan (Decoder.step_and_plan) before the host read that
-    updates max_committed: it must be the plan of the state the read leaves, computed afresh.
-    (Bounded by the stale max_committed, MaG's search missed the last step's tokens: narrower
-    widths than the step's own proposals, for repetitive text.)"""
+    updates max_committed, and the next step reads its per-row values on the device: it must
+    be the plan of the state the read leaves, computed afresh. (Bounded by the stale
+    max_committed, MaG's search missed the last step's tokens: other direct rows, budgets and
+    widths than the step's own, for repetitive text.)"""
     engine = engine_for(models, name, batch=3)
     checked = 0
     with engine.scheduler(STRATEGIES[name][1], rows=3) as scheduler:
@@ -120,6 +121,8 @@ def test_the_plan_a_step_leaves_is_the_plan_of_the_state_it_left(models, name):
             fresh = scheduler.decoder.plan(scheduler.state).tolist()
             live = scheduler._live()
             assert scheduler.plan == [row for row, on in zip(fresh, live) if on], f"{name}: step {checked}"
+            kept = scheduler.state.plan.t().tolist()  # what the next step reads on the device
+            assert [row for row, on in zip(kept, live) if on] == scheduler.plan
             checked += 1
     assert checked > 5 or scheduler.decoder.plan(scheduler.state) is None
 
