@@ -424,8 +424,8 @@ def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), 
 def kernel_category(name: str) -> str:
     lowered = name.lower()
     if any(name in lowered for name in ("_stats_kernel", "_position_kernel", "_emit_split_kernel", "_emit_kernel",
-                                         "_tree_verify_kernel")):
-        return "verify"  # kernels/verify.py's four, tree_verify.py's one
+                                         "_tree_verify_kernel", "_emitted_sums_kernel", "_emitted_write_kernel")):
+        return "verify"  # kernels/verify.py's four, tree_verify.py's one, emitted.py's two
     if "_mag_kernel" in lowered:
         return "mag"
     if "attention" in lowered or "attn" in lowered or "flash" in lowered or "fmha" in lowered:

@@ -10,10 +10,11 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   proposals (the strategy's code, the engine's helpers, a runner's non-finite check, the random
   streams' seed mixing), each some microseconds of host time; of them, strategy kernels: those
   that launch a kernel on a GPU (views and `empty` launch none);
-* calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each),
-  MaG calls (one launch), drafter forwards (a CUDA-graph replay each when graphed);
-* launches: strategy kernels + 4 x verifier calls + MaG calls, the kernel launches a step
-  issues besides its model forwards;
+* calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each), a
+  sampling review's emitted distribution (2), MaG calls (one launch), drafter forwards (a
+  CUDA-graph replay each when graphed);
+* launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls, the
+  kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
   widths, padding included), the drafters' share of the step's GPU work.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
@@ -41,6 +42,7 @@ from csd_engine.host_reads import is_host_read, reading_python_values  # noqa: E
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
 VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
+EMITTED_LAUNCHES = 2  # Triton launches per emitted distribution of a sampling review (kernels/emitted.py)
 STRATEGIES = {  # name: (drafters, strategy)
     "autoregressive": ((), Autoregressive()),
     "speculative k=4": (("d1",), Speculative(k=4)),
@@ -127,6 +129,7 @@ def count_calls(engine: Engine, counts: Counter, context: list):
 
     for name in ("chain", "tree"):
         wrap(engine.verifier, name, "verify", lambda *a: counts.update(["verifier_calls"]))
+    wrap(engine.verifier, "emitted_distribution", "verify", lambda *a: counts.update(["emitted_calls"]))
     wrap(engine.target, "forward", "model")
     for drafter in engine.drafters:
         if isinstance(drafter, MaG):
@@ -150,14 +153,15 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     steps = max(counts["steps"], 1)
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps
-                for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "mag_calls",
-                            "drafter_tokens")}
+                for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "emitted_calls",
+                            "mag_calls", "drafter_tokens")}
     per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
-                            + per_step["mag_calls"])
+                            + EMITTED_LAUNCHES * per_step["emitted_calls"] + per_step["mag_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
                 host_reads_per_step=per_step["host_reads"], strategy_ops_per_step=per_step["strategy"],
                 strategy_kernels_per_step=per_step["strategy_kernels"],
-                verifier_calls_per_step=per_step["verifier_calls"], mag_calls_per_step=per_step["mag_calls"],
+                verifier_calls_per_step=per_step["verifier_calls"], emitted_calls_per_step=per_step["emitted_calls"],
+                mag_calls_per_step=per_step["mag_calls"],
                 drafter_forwards_per_step=sum(first.drafter_forwards) / max(first.target_forwards, 1),
                 drafter_tokens_per_step=per_step["drafter_tokens"],
                 launches_per_step=per_step["launches"],
@@ -189,7 +193,8 @@ def main(argv=None):
                        ("steps", "steps", "d"), ("host_reads_per_step", "host reads", ".1f"),
                        ("strategy_ops_per_step", "strategy ops", ".0f"),
                        ("strategy_kernels_per_step", "of them kernels", ".0f"),
-                       ("verifier_calls_per_step", "verify calls", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
+                       ("verifier_calls_per_step", "verify calls", ".1f"),
+                       ("emitted_calls_per_step", "emitted", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
                        ("drafter_forwards_per_step", "drafter fwd", ".1f"),
                        ("drafter_tokens_per_step", "drafter tokens", ".1f"),
                        ("launches_per_step", "launches", ".0f")])

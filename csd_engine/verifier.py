@@ -25,7 +25,8 @@ def choose_backend(requested: str | None, device: torch.device) -> str:
 
 
 class Verifier:
-    """`chain(...)`: kernels.verify semantics; `tree(...)`: kernels.tree_verify semantics.
+    """`chain(...)`: kernels.verify semantics; `tree(...)`: kernels.tree_verify semantics;
+    `emitted_distribution(...)`: kernels.emitted semantics.
     Either takes the union of both implementations' keyword options (`check_values`, the
     references' host-known hints, the kernels' `splits`); each implementation gets its own."""
 
@@ -33,7 +34,6 @@ class Verifier:
         from csd_engine.kernels import verify
         self.backend = backend
         self._chain_kernel, self._chain_ref = verify.verify, verify.verify_ref
-        self.emitted_distribution = verify.emitted_distribution
         self.sampled_distribution = verify.sampled_distribution
 
     def _kernel_for(self, tensor: torch.Tensor) -> bool:
@@ -43,6 +43,13 @@ class Verifier:
         kernel = self._kernel_for(logits)
         fn = self._chain_kernel if kernel else self._chain_ref
         return fn(logits, *args, **_options_for(kernel, kwargs))
+
+    def emitted_distribution(self, logits, *args, **kwargs):
+        """kernels.emitted semantics: the two-launch kernel on a GPU (the Triton backend), the
+        PyTorch reference elsewhere (interpreted, the kernel would slow every sampling test)."""
+        from csd_engine.kernels import emitted
+        kernel = self.backend == "triton" and logits.is_cuda
+        return (emitted.emitted_distribution if kernel else emitted.emitted_distribution_ref)(logits, *args, **kwargs)
 
     def tree(self, logits, *args, **kwargs):
         from csd_engine.kernels import tree_verify

@@ -19,19 +19,19 @@ TESTS = ["tests/strategies/test_distribution.py", "tests/strategies/test_every_s
 def _residual_not_renormalised():
     """The emitted distribution keeps the rejection residual unnormalised:
     e = min(q, l p) + (1 - sum min(q, l p)) * max(0, p - min(q, l p)) (no division by its mass)."""
-    from csd_engine.kernels import verify
-    verify.normalised_residual = lambda residual, fallback: residual
+    from csd_engine.kernels import emitted
+    emitted.normalised_residual = lambda residual, fallback: residual
 
 
 def _raw_distribution_passed_up():
     """An intermediate review passes its reviewer's raw distribution p up as the proposal of the
     tokens it emits, instead of the distribution e they were emitted with."""
-    from csd_engine.kernels import verify
+    from csd_engine.kernels import emitted, verify
 
-    def raw(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, result):
+    def raw(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, result, **_):
         return verify.reviewer_probs(logits, temperature, top_k, top_p)
 
-    verify.emitted_distribution = raw
+    emitted.emitted_distribution_ref = emitted.emitted_distribution = raw
 
 
 def _drafter_cache_keeps_a_rejected_token():

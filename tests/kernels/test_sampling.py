@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from csd_engine.kernels.sampling import processed, processed_ref
 from csd_engine.kernels.tree_verify import tree_verify_ref
-from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, verify, verify_ref
+from csd_engine.kernels.emitted import emitted_distribution_ref
+from csd_engine.kernels.verify import reviewer_probs, verify, verify_ref
 from tests.kernels.test_verify import cutoff_by_definition, random_batch
 from tests.stats import fresh_seed
 
@@ -212,7 +213,7 @@ def test_references_do_not_read_the_device(count_reads, monkeypatch, filtered, w
         reviewer_probs(inputs["logits"], *settings, filtered=filtered)
         for l in (2.5, lenience):
             result = verify_ref(**inputs, lenience=l, filtered=filtered, check_values=False)
-            emitted_distribution(**no_seed, lenience=l, result=result, check_values=False)
+            emitted_distribution_ref(**no_seed, lenience=l, result=result, check_values=False)
         for all_greedy in (False, True, None):
             tree_verify_ref(**tree_inputs, all_greedy=all_greedy, filtered=filtered, check_values=False)
     assert counter.reads == [], f"host reads: {counter.reads}"

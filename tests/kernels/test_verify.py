@@ -13,7 +13,8 @@ import functools
 import pytest
 import torch
 
-from csd_engine.kernels.verify import emitted_distribution, reviewer_probs, sampled_distribution, verify, verify_ref
+from csd_engine.kernels.emitted import emitted_distribution_ref
+from csd_engine.kernels.verify import reviewer_probs, sampled_distribution, verify, verify_ref
 from tests.stats import assert_distribution, fresh_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,8 +70,8 @@ def first_emitted(inputs: dict, result) -> torch.Tensor:
 
 
 def emitted(inputs: dict, lenience: float, result) -> torch.Tensor:
-    return emitted_distribution(**{name: value for name, value in inputs.items() if name not in ("seed", "offset")},
-                                lenience=lenience, result=result)
+    return emitted_distribution_ref(**{name: value for name, value in inputs.items() if name not in ("seed", "offset")},
+                                    lenience=lenience, result=result)
 
 
 @pytest.mark.parametrize("batch, k, vocab, with_draft_probs, lenience, dtype", [
@@ -333,14 +334,14 @@ def test_lenience_per_row_equals_separate_calls(impl):
     lenience = values[torch.randint(0, 3, (batch,), generator=gen)].to(DEVICE)
     got = impl(**inputs, lenience=lenience)
     no_seed = {name: value for name, value in inputs.items() if name not in ("seed", "offset")}
-    got_emitted = emitted_distribution(**no_seed, lenience=lenience, result=got)
+    got_emitted = emitted_distribution_ref(**no_seed, lenience=lenience, result=got)
     for value in values.tolist():
         rows = lenience == value
         want = impl(**inputs, lenience=value)
         where = f"seed={seed}, lenience {value}"
         for field in ("num_accepted", "next_token", "lse", "threshold"):
             assert torch.equal(getattr(got, field)[rows], getattr(want, field)[rows]), f"{where}: {field}"
-        want_emitted = emitted_distribution(**no_seed, lenience=value, result=want)
+        want_emitted = emitted_distribution_ref(**no_seed, lenience=value, result=want)
         assert torch.equal(got_emitted[rows], want_emitted[rows]), f"{where}: emitted distribution"
 
 
