@@ -226,9 +226,11 @@ class CascadeDecoder(Decoder):
         if self.reads_proposal:  # budgets priced from what MaG holds now: computed every step
             tail = self._tail(*self.budgets(state, direct, ready), direct, ready)
         else:  # K's budgets depend on the row's direct flag alone: a selection (a few launches, not ~40)
-            tail = self._k_tail(state, direct)
+            tail = self._k_tail(state, direct)  # not written to: with no direct rows, the constant itself
             if ready is not None:  # a direct row's width is its proposal's length
-                tail[:, self.width_column] = torch.where(direct, ready, tail[:, self.width_column])
+                w = self.width_column
+                width = torch.where(direct, ready, tail[:, w])
+                tail = torch.cat([tail[:, :w], width[:, None], tail[:, w + 1:]], 1)
         return torch.cat([torch.stack(lag, 1), tail], 1)
 
     def _tail(self, budgets: list, caps: list, direct: torch.Tensor, ready: torch.Tensor | None) -> torch.Tensor:
