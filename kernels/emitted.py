@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import MAX_BLOCK_V, load_z, probs_ref
+from .sampling import MAX_BLOCK_V, load_p, load_q, probs_ref, residual_parts
 from .verify import VerifyResult, _check_inputs, _lenience_rows, _one_hot, _residual
 
 
@@ -32,18 +32,13 @@ def _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_
     sampling = temperature > 0
     divisor = tl.where(sampling, temperature, 1.0)
     drafted = j < tl.load(num_drafts_ptr + row)  # num_drafts <= K: never past the drafts
-    token = tl.load(draft_tokens_ptr + row * stride_db + j, mask=drafted, other=0)
+    token = tl.load(draft_tokens_ptr + row * stride_db + j, mask=drafted, other=-1)
     threshold = tl.load(threshold_ptr + row * (K + 1) + j)
     lse = tl.load(lse_ptr + row * (K + 1) + j)
-    offs, in_row, z = load_z(logits_ptr + row * stride_lb + j * stride_lj, start, V, divisor, BLOCK_V)
-    p = tl.where(in_row & (z >= threshold), tl.exp(z - lse), 0.0)
-    if HAS_Q:
-        q = tl.load(q_ptr + row * stride_qb + j * stride_qj + offs, mask=in_row & drafted, other=0.0).to(tl.float32)
-    else:
-        q = tl.where(offs == token, 1.0, 0.0)
-    lenience = tl.load(lenience_ptr + row)
-    a = tl.minimum(q, lenience * p)
-    r = tl.maximum(p - a, 0.0)
+    offs, in_row, _, _, p = load_p(logits_ptr + row * stride_lb + j * stride_lj, start, V, divisor, threshold, lse,
+                                   BLOCK_V)
+    q = load_q(q_ptr + row * stride_qb + j * stride_qj, offs, in_row, drafted, token, HAS_Q)
+    a, r = residual_parts(p, q, tl.load(lenience_ptr + row))
     return offs, in_row, p, a, r, sampling, drafted, token
 
 

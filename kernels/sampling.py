@@ -69,6 +69,33 @@ def load_z(row_ptr, start, V, divisor, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def load_p(row_ptr, start, V, divisor, threshold, lse, BLOCK: tl.constexpr):
+    """One block of a processed distribution, rebuilt from its threshold and lse: (offs, in_row,
+    z, kept: z >= threshold in the row, p = exp(z - lse) where kept, else 0)."""
+    offs, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK)
+    kept = in_row & (z >= threshold)
+    return offs, in_row, z, kept, tl.where(kept, tl.exp(z - lse), 0.0)
+
+
+@triton.jit
+def load_q(q_row_ptr, offs, in_row, is_draft, draft_token, HAS_Q: tl.constexpr):
+    """One block of a draft's proposal q: its row of draft_probs (HAS_Q; 0 where the position
+    holds no draft), else one-hot of draft_token (-1 where none)."""
+    if HAS_Q:
+        q = tl.load(q_row_ptr + offs, mask=in_row & is_draft, other=0.0).to(tl.float32)
+    else:
+        q = (offs == draft_token).to(tl.float32)
+    return q
+
+
+@triton.jit
+def residual_parts(p, q, lenience):
+    """min(q, l p), the part of q a lenient check accepts, and the residual max(0, p - min(q, l p))."""
+    accepted_part = tl.minimum(q, lenience * p)
+    return accepted_part, tl.maximum(p - accepted_part, 0.0)
+
+
+@triton.jit
 def argmax_update(scores, start, best_score, best_index):
     """Running argmax over blocks; ties go to the first index."""
     block_best, block_index = tl.max(scores, 0, return_indices=True, return_indices_tie_break_left=True)

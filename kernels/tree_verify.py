@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_z, may_read,
-                       probs_ref, processed_ref, row_cutoff, row_settings, row_stats)
+from .sampling import (NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_p,
+                       may_read, probs_ref, processed_ref, row_cutoff, row_settings, row_stats)
 
 MAX_BLOCK_V = 1024
 NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
@@ -51,8 +51,7 @@ def _write_target_probs(row_ptr, residual_ptr, V, divisor, lse, threshold, BLOCK
     tl.debug_barrier()  # see _tree_verify_kernel: workspace writes are fenced on both sides
     total = 0.0
     for start in range(0, V, BLOCK_V):
-        offs, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK_V)
-        p = tl.where(in_row & (z >= threshold), tl.exp(z - lse), 0.0)
+        offs, in_row, _, _, p = load_p(row_ptr, start, V, divisor, threshold, lse, BLOCK_V)
         tl.store(residual_ptr + offs, p, mask=in_row)
         total += tl.sum(p, axis=0)
     tl.debug_barrier()

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_z,
-                       merge_argmax, merge_stats, probs_ref, processed_ref, resolve_filtered, row_cutoff,
-                       row_settings, row_stats)
+from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_p,
+                       load_q, merge_argmax, merge_stats, probs_ref, processed_ref, residual_parts,
+                       resolve_filtered, row_cutoff, row_settings, row_stats)
 
 MIN_SPLIT = 2048  # vocabulary entries per split at least (auto splits): a program's sweep stays worth a launch
 PROGRAMS_PER_SM = 4  # auto splits aim at this many programs per SM for the statistics sweep
@@ -175,15 +175,10 @@ def _emit_split_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, strid
         plain_best = float("-inf")
         plain_token = lo
         for start in range(lo, lo + CHUNK, BLOCK_V):
-            offs, in_row, z = load_z(row_ptr, start, V, divisor, BLOCK_V)
-            kept = in_row & (z >= threshold)
+            offs, in_row, z, kept, p = load_p(row_ptr, start, V, divisor, threshold, lse, BLOCK_V)
             noise = gumbel(seed, counter, offs + 1)
-            p = tl.where(kept, tl.exp(z - lse), 0.0)
-            if HAS_DRAFT_PROBS:
-                q = tl.load(q_row_ptr + offs, mask=in_row & is_draft, other=0.0).to(tl.float32)
-            else:
-                q = (offs == draft_token).to(tl.float32)
-            residual = tl.maximum(p - tl.minimum(q, lenience * p), 0.0)
+            q = load_q(q_row_ptr, offs, in_row, is_draft, draft_token, HAS_DRAFT_PROBS)
+            residual = residual_parts(p, q, lenience)[1]
             residual_best, residual_token = gumbel_update(tl.log(residual), noise, start, residual_best,
                                                           residual_token)
             plain_best, plain_token = gumbel_update(tl.where(kept, z, float("-inf")), noise, start, plain_best,
