@@ -34,7 +34,7 @@ from transformers import DynamicCache  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
-from csd_engine.models.loader import load_runner  # noqa: E402
+from csd_engine.models.loader import load_runner, split_spec  # noqa: E402
 from csd_engine.models.quant import drafter_dense_rows  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
@@ -140,7 +140,8 @@ def main(argv=None):
         for dtype_name in args.dtypes.split(","):
             harness.progress(f"loading drafter {spec} ({dtype_name})")
             # default: as the engine builds a drafter
-            dense_rows = 0 if args.packed_only else drafter_dense_rows("cpu", harness.DTYPES[dtype_name])
+            dense_rows = 0 if args.packed_only else drafter_dense_rows("cpu", harness.DTYPES[dtype_name],
+                                                                         split_spec(spec)[1])
             forwards = {}
             for key in [k for k in ("native", "plain") if k in keys]:  # the other paths are the target's
                 runner, _ = load_runner(spec, "cpu", harness.DTYPES[dtype_name], native=True, dense_rows=dense_rows,

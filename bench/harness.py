@@ -112,7 +112,7 @@ def quantized_drafter(model, device, dtype: torch.dtype, scheme: str, dry_run: b
     from csd_engine.models.llama import LlamaRunner
     from csd_engine.models.quant import drafter_dense_rows
     quantize = scheme + "g32" if dry_run and scheme == "int4" else scheme
-    return LlamaRunner(model, device, dtype, quantize=quantize, dense_rows=drafter_dense_rows(device, dtype))
+    return LlamaRunner(model, device, dtype, quantize=quantize, dense_rows=drafter_dense_rows(device, dtype, quantize))
 
 
 # -- measuring ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.llama import LlamaRunner
-from csd_engine.models.loader import load_runner
+from csd_engine.models.loader import load_runner, split_spec
 from csd_engine.models.quant import drafter_dense_rows
 from csd_engine.params import SamplingParams
 from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler, read_host  # noqa: F401
@@ -113,7 +113,8 @@ class Engine:
             return (spec if isinstance(spec, MaG) else MaG()).to(self.device)
         # a quantized drafter keeps dense copies for wide calls (prefill, catch-up): faster, same losslessness
         runner, _ = load_runner(spec, self.drafter_device, self.dtype, native, attention_backend, self.fused_kernels,
-                                dense_rows=drafter_dense_rows(self.drafter_device, self.dtype))
+                                dense_rows=drafter_dense_rows(self.drafter_device, self.dtype,
+                                                              split_spec(spec)[1] if isinstance(spec, str) else None))
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")

@@ -4,8 +4,8 @@ build_tree_mask(parents) -> (mask, depth, paths): tree attention metadata (docs/
 dense_linear(x, weight, bias) -> F.linear, through the extension's bf16 kernel on x86 CPUs with
 AVX2 (csrc/bf16_linear.cpp; bf16_kernel_pays, bf16_kernel_max_rows); int8_linear(x, q, scale, bias) -> the same for an
 int8 weight with a scale per output row, where int8_kernel_runs (elsewhere the caller uses torch's op);
-int4_linear(x, packed, scales_zeros, group, bias) -> the same for a grouped int4 weight on CPUs
-with AVX-512 BF16 (csrc/int4_linear.cpp), where int4_kernel_runs.
+int4_linear(x, packed, scales_zeros, group, bias) -> the same for a grouped int4 weight on x86 CPUs
+with AVX2 (csrc/int4_linear.cpp; AVX-512 BF16 tiles where the CPU has them), where int4_kernel_runs.
 add_rmsnorm, rope_and_cache, decode_attention, silu_mul: the native runner's work between its
 matmuls on the CPU (csrc/decode_cpu.cpp), where cpu_layer_ops_run(); their references are
 kernels/rmsnorm.py's, kernels/rope.py's, attention under kernels/mask.py's attention_mask (chain or
@@ -253,10 +253,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def int4_kernel_runs(device, dtype: torch.dtype) -> bool:
     """Whether int4 weights for `dtype` activations on `device` take csd_engine's int4 kernel:
-    bf16 on a CPU with AVX-512 BF16 (and CSD_CPU_ISA unset or avx512_bf16; the extension decides).
-    Against torch's _weight_int4pack_mm_for_cpu on a 2-core AVX-512 EPYC: the int4 Qwen 0.5B's
-    forward of 1 / 5 / 9 tokens 9 / 20 / 35 ms instead of 11 / 28 / 43 (README); its rows are
-    batch-invariant. CSD_INT4_LINEAR=0 keeps torch's op."""
+    bf16 on an x86 CPU with AVX2 and FMA (and CSD_CPU_ISA not baseline; the extension decides).
+    Against torch's _weight_int4pack_mm_for_cpu, the int4 Qwen 0.5B's forward of 1 / 5 / 9 tokens:
+    9 / 20 / 35 ms instead of 11 / 28 / 43 on a 2-core AVX-512 EPYC with AVX-512 BF16; one token
+    24 ms instead of 39 on a 2-core AVX2 EPYC (README). Its rows are batch-invariant.
+    CSD_INT4_LINEAR=0 keeps torch's op."""
     forced = os.environ.get("CSD_INT4_LINEAR")
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"CSD_INT4_LINEAR must be 1 (use csd_engine's int4 CPU kernel where the CPU runs it) "

@@ -1,5 +1,6 @@
-"""csd_engine's int4 CPU matmul (csrc/int4_linear.cpp, ops.int4_linear) for bf16 activations on CPUs
-with AVX-512 BF16: within the rounding of fp32 accumulation of the exact product with the
+"""csd_engine's int4 CPU matmul (csrc/int4_linear.cpp, ops.int4_linear) for bf16 activations on x86
+CPUs with AVX2 (its AVX-512 BF16 tiles where the CPU has them; test_cpu_isa.py reruns this file
+with each instruction set): within the rounding of fp32 accumulation of the exact product with the
 dequantized weight, every output row the same whatever else shares the call, its layout and
 errors, and when QuantizedLinear takes it."""
 import time
@@ -13,7 +14,7 @@ from tests.test_bf16_linear import assert_within_fp32_sum_and_bf16_rounding
 
 needs_kernel = pytest.mark.skipif(not ops.int4_kernel_runs("cpu", torch.bfloat16),
                                   reason="csd_engine's int4 kernel does not run here (needs the extension and "
-                                         "AVX-512 BF16)")
+                                         "an x86 CPU with AVX2)")
 # (rows of x, N, K, group): every tile (1-6 rows of x), several tiles, groups of 64 to 256
 SHAPES = [(1, 16, 64, 64), (2, 16, 128, 64), (3, 32, 320, 64), (4, 16, 256, 128), (5, 48, 128, 128),
           (6, 16, 512, 256), (7, 16, 192, 64), (13, 32, 256, 128), (17, 16, 128, 64)]
@@ -36,9 +37,12 @@ def case(g, m, n, k, group, bias=False):
 
 def exact_terms(x, values):
     """The dequantized weight's two shares in float64 (exact: small integers times bf16 values),
-    [N, K] each: (q - 8) s and z."""
+    [N, K] each: (q - 8) s and z; and what bounds each term the kernel adds up on the way,
+    |q - 8| s + 16 s + |z| (the AVX2 tiles sum x q s and add (z - 8 s) times x's group sum)."""
     per_input = lambda t: t.double().repeat_interleave(values.group, dim=1)  # noqa: E731
-    return (values.q - 8).double() * per_input(values.scale), per_input(values.zero)
+    steps, scales, zeros = (values.q - 8).double() * per_input(values.scale), per_input(values.scale), \
+        per_input(values.zero)
+    return steps, zeros, steps.abs() + 16 * scales.abs() + zeros.abs()
 
 
 @needs_kernel
@@ -46,17 +50,18 @@ def exact_terms(x, values):
 @pytest.mark.parametrize("m,n,k,group", SHAPES)
 def test_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k, group, bias, gen):
     """Each term passes through at most 2 G + 2 K / G + 6 fp32 roundings: G / 16 additions per
-    lane and group (vdpbf16ps adds two exact products per lane), one scaling FMA per group, K / G
-    group sums, 4 lane reductions; the zeros' share: a group's sum of x (G - 1), its product with
-    z, K / G additions; the bias."""
+    lane and group (vdpbf16ps adds two exact products per lane; AVX2: G / 16 FMAs per low or high
+    half and their sum), one scaling FMA per group, K / G group sums, 3 or 4 lane reductions; the
+    zeros' share: a group's sum of x (G - 1), z - 8 s (AVX2), its product with the sum, K / G
+    additions; the bias."""
     g, seed = gen
     x, values, packed, scales_zeros, b = case(g, m, n, k, group, bias)
     y = ops.int4_linear(x, packed, scales_zeros, group, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    steps, zeros = exact_terms(x, values)
+    steps, zeros, bound = exact_terms(x, values)
     xd = x.double()
     exact = xd @ (steps + zeros).T + (b.double() if bias else 0)
-    magnitude = xd.abs() @ (steps.abs() + zeros.abs()).T + (b.double().abs() if bias else 0)
+    magnitude = xd.abs() @ bound.T + (b.double().abs() if bias else 0)
     assert_within_fp32_sum_and_bf16_rounding(y, exact, magnitude, 2 * group + 2 * k // group + 6, seed)
 
 
@@ -64,7 +69,7 @@ def test_within_fp32_accumulation_and_one_rounding_of_the_exact_product(m, n, k,
 @pytest.mark.parametrize("m,n,k,group", [s for s in SHAPES if s[0] > 1])
 def test_a_row_gives_the_same_bits_alone_and_in_any_call(m, n, k, group, gen):
     """Rows of x alone or together, and rows of W in any position of the weight (tiles of 8, 4
-    and 2 W rows): the same bits."""
+    and 2 W rows with AVX-512 BF16, 4, 2 and 1 with AVX2): the same bits."""
     g, seed = gen
     x, values, packed, scales_zeros, b = case(g, m, n, k, group, bias=True)
     together = ops.int4_linear(x, packed, scales_zeros, group, b)
@@ -132,13 +137,13 @@ def test_the_op_passes_torch_library_checks(gen):
 
 @pytest.mark.skipif("cpu" not in ops._INT4_LINEAR_DEVICES, reason="csd_engine._C has no int4_linear CPU kernel")
 def test_the_op_refuses_a_cpu_it_does_not_run_on_clearly():
-    """Where the CPU lacks AVX-512 BF16 (or CSD_CPU_ISA names a lower instruction set, as
-    test_cpu_isa.py runs this file) QuantizedLinear keeps torch's op and the raw op says why."""
+    """Where the CPU lacks AVX2 (or CSD_CPU_ISA=baseline, as test_cpu_isa.py runs this file)
+    QuantizedLinear keeps torch's op and the raw op says why."""
     if ops.int4_kernel_runs("cpu", torch.bfloat16):
         pytest.skip("the int4 kernel runs here")
     x, packed, scales_zeros = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.uint8), \
         torch.zeros(8, 1, 2, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="needs a CPU with AVX-512 BF16"):
+    with pytest.raises(RuntimeError, match="needs an x86 CPU with AVX2 and FMA"):
         ops.int4_linear(x, packed, scales_zeros, 64)
     assert quantize_weight(torch.randn(16, 128), "int4g64", torch.bfloat16).kernel is None
 

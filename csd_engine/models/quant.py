@@ -36,8 +36,9 @@ README): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
 quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on a CPU without
 native bf16 takes csd_engine's own kernel instead (ops.int8_linear), which needs no dense copy.
-int4 with bf16 activations on a CPU with AVX-512 BF16 takes csd_engine's int4 kernel (ops.int4_linear,
-groups of 64 inputs or more) in its own packing (pack_int4_for_kernel); drafters keep dense copies.
+int4 with bf16 activations on an x86 CPU with AVX2 takes csd_engine's int4 kernel (ops.int4_linear,
+groups of 64 inputs or more) in its own packing (pack_int4_for_kernel); drafters keep dense copies
+(drafter_dense_rows).
 """
 from dataclasses import dataclass
 
@@ -53,13 +54,17 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DRAFTER_DENSE_ROWS = 16  # where the int4 op falls behind bf16 for a whole Qwen 0.5B forward on the CPU
 
 
-def drafter_dense_rows(device, dtype: torch.dtype) -> int:
-    """Rows above which a quantized drafter's calls take its dense copy: DRAFTER_DENSE_ROWS, but 2
-    on a CPU without native bf16 where csd_engine's bf16 kernel runs, whose cost grows slowly with the
-    rows while the int4 op's does not (one 9728x896 layer on a 2-core AVX2 EPYC, 1 / 2 / 3 / 5
-    rows: int4 op 0.82 / 1.08 / 1.36 / 2.85 ms, the kernel 1.03 / 1.15 / 1.34 / 1.82)."""
+def drafter_dense_rows(device, dtype: torch.dtype, scheme: str | None = None) -> int:
+    """Rows above which a quantized drafter's calls (weights of `scheme`) take its dense copy:
+    DRAFTER_DENSE_ROWS, but fewer on a CPU without native bf16 where csd_engine's bf16 kernel runs,
+    whose cost grows slowly with the rows: 4 for int4 weights on csd_engine's int4 kernel, 2 for
+    torch's int4 op. Whole int4 Qwen 0.5B forwards of 1 / 2 / 3 / 4 / 5 rows on a 2-core AVX2 EPYC
+    (ms): the kernel 24 / 29 / 38 / 45 / 55, torch's op 39 / 41, the dense copy from 3 rows 47 / 49 / 49."""
     cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and kernel_without_native_bf16()
-    return 2 if cpu_kernel else DRAFTER_DENSE_ROWS
+    if not cpu_kernel:
+        return DRAFTER_DENSE_ROWS
+    bits, group = parse_scheme(scheme) if scheme else (0, 0)
+    return 4 if bits == 4 and group % 64 == 0 and int4_kernel_runs(device, dtype) else 2
 
 
 def parse_scheme(scheme: str) -> tuple[int, int | None]:

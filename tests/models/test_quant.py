@@ -223,8 +223,9 @@ def test_engine_keeps_dense_copies_for_a_quantized_drafters_wide_calls_only(tmp_
 def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(forced, native_bf16, monkeypatch,
                                                                             tmp_path):
     """Where csd_engine's bf16 CPU kernel runs on a CPU without native bf16, a bf16 quantized
-    drafter sends every call of more than 2 rows through its dense copy (and stays lossless);
-    elsewhere (or in fp32, or on another device) from 16."""
+    drafter sends every call of more than 2 rows through its dense copy (4 with int4 weights on
+    csd_engine's int4 kernel) and stays lossless; elsewhere (or in fp32, or on another device)
+    from 16."""
     from csd_engine import ops
     from csd_engine.models.quant import DRAFTER_DENSE_ROWS, drafter_dense_rows
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
@@ -233,7 +234,11 @@ def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(for
     try:
         kernel = ops.bf16_kernel_pays() and not native_bf16
         assert drafter_dense_rows("cpu", torch.bfloat16) == (2 if kernel else DRAFTER_DENSE_ROWS)
-        assert drafter_dense_rows("cpu", torch.float32) == DRAFTER_DENSE_ROWS
+        assert drafter_dense_rows("cpu", torch.bfloat16, "int4g32") == (2 if kernel else DRAFTER_DENSE_ROWS)
+        int4_kernel = ops.int4_kernel_runs("cpu", torch.bfloat16)
+        assert drafter_dense_rows("cpu", torch.bfloat16, "int4") == \
+            ((4 if int4_kernel else 2) if kernel else DRAFTER_DENSE_ROWS)
+        assert drafter_dense_rows("cpu", torch.float32, "int4") == DRAFTER_DENSE_ROWS
         assert drafter_dense_rows("cuda", torch.bfloat16) == DRAFTER_DENSE_ROWS
         model = tiny_llama(seed=12)
         model.save_pretrained(tmp_path / "tiny")
@@ -248,7 +253,7 @@ def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(for
 
 
 @pytest.mark.skipif(not ops.int4_kernel_runs("cpu", torch.bfloat16),
-                    reason="csd_engine's int4 kernel does not run here (needs AVX-512 BF16)")
+                    reason="csd_engine's int4 kernel does not run here (needs an x86 CPU with AVX2)")
 def test_bf16_int4_weights_on_csd_engines_kernel_keep_greedy_decoding_exact(tmp_path):
     """int4g64 weights with bf16 activations take csd_engine's int4 kernel (groups of 64: the tiny
     models' K of 64 and 128); as the target its rows are batch-invariant, so speculative decoding
