@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import MAX_BLOCK_V, load_p, load_q, probs_ref, residual_parts
-from .verify import VerifyResult, _check_inputs, _lenience_rows, _one_hot, _residual
+from .sampling import MAX_BLOCK_V, lenience_rows, load_p, load_q, one_hot, probs_ref, residual_parts, residual_ref
+from .verify import VerifyResult, check_inputs
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
                          check_values: bool = True) -> torch.Tensor:
     """[B, k+1, V] float32 e (module docstring) in two launches; arguments as in
     `emitted_distribution_ref` (top_k / top_p are already in result's threshold)."""
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
+    check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
                   check_values=check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
@@ -101,7 +101,7 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
     sums = torch.empty(batch * positions, blocks, 2, dtype=torch.float32, device=device)
     out = torch.empty(batch, positions, vocab, dtype=torch.float32, device=device)
     rows = (logits, logits.stride(0), logits.stride(1), q, q.stride(0), q.stride(1), draft_tokens,
-            draft_tokens.stride(0), num_drafts, temperature.float(), _lenience_rows(lenience, batch, device),
+            draft_tokens.stride(0), num_drafts, temperature.float(), lenience_rows(lenience, batch, device),
             result.threshold.contiguous(), result.lse.contiguous())
     grid = (batch * positions, blocks)
     _emitted_sums_kernel[grid](*rows, sums, positions - 1, vocab, blocks, HAS_Q=has_q, BLOCK_V=block_v)
@@ -124,19 +124,19 @@ def emitted_distribution_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, n
     num_accepted[b] (zeros beyond), the proposal the level above must use for it (module
     docstring); p_j is rebuilt from result.lse and result.threshold, l is the row's lenience (a
     float or [B]). No host reads with check_values=False."""
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
+    check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
                   check_values=check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
-    lenience = _lenience_rows(lenience, batch, device)[:, None, None]
+    lenience = lenience_rows(lenience, batch, device)[:, None, None]
     sampling = temperature > 0
     divisor = torch.where(sampling, temperature.float(), 1.0)[:, None, None]
     # every position at once ([B, k+1, V]): a fixed ~45 ops per call, not per position
     p = probs_ref(logits.float() / divisor, result.threshold, result.lse)
     drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]  # [B, k]
     tokens = torch.where(drafted, draft_tokens.long(), 0)
-    q = draft_probs[:, :positions - 1].float() if draft_probs is not None else _one_hot(tokens, vocab)
-    accepted_part, residual = _residual(p[:, :-1], q, lenience)
+    q = draft_probs[:, :positions - 1].float() if draft_probs is not None else one_hot(tokens, vocab)
+    accepted_part, residual = residual_ref(p[:, :-1], q, lenience)
     r = normalised_residual(residual, p[:, :-1])
     at_drafts = torch.where(drafted[..., None], accepted_part + (1 - accepted_part.sum(-1, keepdim=True)) * r,
                             p[:, :-1])
@@ -144,6 +144,6 @@ def emitted_distribution_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, n
     position = torch.arange(positions, device=device)
     accepted = result.num_accepted[:, None]
     emitted_token = torch.where(position[:-1] < accepted, tokens, result.next_token[:, None])
-    greedy_e = _one_hot(torch.cat([emitted_token, result.next_token[:, None]], 1), vocab)
+    greedy_e = one_hot(torch.cat([emitted_token, result.next_token[:, None]], 1), vocab)
     e = torch.where(sampling[:, None, None], e, greedy_e)
     return torch.where((position <= accepted)[..., None], e, 0.0)

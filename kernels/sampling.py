@@ -430,6 +430,25 @@ def probs_ref(z: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor) -> to
     return torch.where(z >= threshold[..., None], torch.exp(z - lse[..., None]), 0.0)
 
 
+def lenience_rows(lenience: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """float or [B] -> [B] float32 on the device (a fill, not a copy: no transfer, graph-safe)."""
+    if isinstance(lenience, torch.Tensor):
+        return lenience.to(torch.float32).contiguous()
+    return torch.full((batch,), float(lenience), dtype=torch.float32, device=device)
+
+
+def one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[...] int -> [..., V] float32; F.one_hot would read the indices' range back to the host to check it."""
+    return (index[..., None] == torch.arange(vocab, device=index.device)).float()
+
+
+def residual_ref(p: torch.Tensor, q: torch.Tensor, lenience: torch.Tensor):
+    """min(q, l p), the part of q that is accepted, and the unnormalised residual max(0, p - min(q, l p));
+    lenience [B, 1] (residual_parts' reference)."""
+    accepted_part = torch.minimum(q, lenience * p)
+    return accepted_part, (p - accepted_part).clamp_min(0.0)
+
+
 def check_settings(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,
                    max_top_k: int | None = None) -> None:
     """Value checks of [R] settings. They read the tensors: callers skip them on CUDA and when told to."""

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
-from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_p,
-                       load_q, merge_argmax, merge_stats, probs_ref, processed_ref, residual_parts,
-                       resolve_filtered, row_cutoff, row_settings, row_stats)
+from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update,
+                       lenience_rows, load_p, load_q, merge_argmax, merge_stats, one_hot, probs_ref, processed_ref,
+                       residual_parts, residual_ref, resolve_filtered, row_cutoff, row_settings, row_stats)
 
 MIN_SPLIT = 2048  # vocabulary entries per split at least (auto splits): a program's sweep stays worth a launch
 PROGRAMS_PER_SM = 4  # auto splits aim at this many programs per SM for the statistics sweep
@@ -212,7 +212,7 @@ def _emit_kernel(num_drafts_ptr, temperature_ptr, accepted_ptr, token_ptr, emit_
     tl.store(next_token_ptr + row, next_token.to(tl.int64))
 
 
-def _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
+def check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience,
                   seed=None, offset=None, check_values=True, max_top_k=None) -> None:
     """Shapes, dtypes, devices and a float lenience always; tensor values only on the CPU with check_values."""
     if logits.dim() != 3 or min(logits.shape) < 1:
@@ -270,13 +270,6 @@ def split_plan(batch: int, positions: int, vocab: int, splits: int | None = None
     return triton.cdiv(vocab, chunk), chunk, block_v
 
 
-def _lenience_rows(lenience: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
-    """float or [B] -> [B] float32 on the device (a fill, not a copy: no transfer, graph-safe)."""
-    if isinstance(lenience, torch.Tensor):
-        return lenience.to(torch.float32).contiguous()
-    return torch.full((batch,), float(lenience), dtype=torch.float32, device=device)
-
-
 def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
            draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seed: torch.Tensor, offset: torch.Tensor, lenience: float | torch.Tensor = 1.0, *,
@@ -295,7 +288,7 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     Returns VerifyResult: num_accepted [B] int64, next_token [B] int64, lse / threshold [B, k+1] float32.
     Grids and workspaces depend on shapes only, so a call can be captured in a CUDA graph.
     """
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
+    check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
                   check_values)
     batch, positions, vocab = logits.shape
     device = logits.device
@@ -308,7 +301,7 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     num_drafts = num_drafts.contiguous()
     temperature = temperature.to(torch.float32).contiguous()
     seed, offset = seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous()
-    lenience = _lenience_rows(lenience, batch, device)
+    lenience = lenience_rows(lenience, batch, device)
     num_splits, chunk, block_v = split_plan(batch, positions, vocab, splits, device)
     splits_block = triton.next_power_of_2(num_splits)
     _, search_block, search_warps = block_sizes(vocab)
@@ -350,19 +343,7 @@ def _draft_distribution(draft_tokens, draft_probs, rows, position, vocab):
     """q of draft `position` ([B] or an int) for the given rows: draft_probs, or one-hot at the draft token."""
     if draft_probs is not None:
         return draft_probs[rows, position].float()
-    return _one_hot(draft_tokens[rows, position], vocab)
-
-
-def _one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[...] int -> [..., V] float32; F.one_hot would read the indices' range back to the host to check it."""
-    return (index[..., None] == torch.arange(vocab, device=index.device)).float()
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor, lenience: torch.Tensor):
-    """min(q, l p), the part of q that is accepted, and the unnormalised residual max(0, p - min(q, l p));
-    lenience [B, 1]."""
-    accepted_part = torch.minimum(q, lenience * p)
-    return accepted_part, (p - accepted_part).clamp_min(0.0)
+    return one_hot(draft_tokens[rows, position], vocab)
 
 
 def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
@@ -376,12 +357,12 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
     all_greedy: host-known promise that every row has temperature 0, so no random number or
     residual is drawn (on a CPU most of a call: 5 positions of a 151936 vocabulary took 11-15 ms
     without it, 4-5 with it)."""
-    _check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
+    check_inputs(logits, draft_tokens, num_drafts, draft_probs, temperature, top_k, top_p, lenience, seed, offset,
                   check_values, max_top_k)
     batch, positions, vocab = logits.shape
     device = logits.device
     seed, offset, num_drafts = seed.long(), offset.long(), num_drafts.long()
-    lenience = _lenience_rows(lenience, batch, device)  # fp32, as the kernel sees it
+    lenience = lenience_rows(lenience, batch, device)  # fp32, as the kernel sees it
     filtered = resolve_filtered(filtered, temperature, top_k, top_p, vocab)
     sampling = temperature > 0
     drafted = torch.arange(positions - 1, device=device) < num_drafts[:, None]
@@ -422,7 +403,7 @@ def verify_ref(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: tor
     if positions > 1:
         draft_at = at.clamp(max=positions - 2)  # rows that do not reject: any draft, unused
         q = _draft_distribution(tokens, draft_probs, every_row, draft_at, vocab)
-        _, residual = _residual(probs_ref(z, at_threshold, at_lse), q, lenience[:, None])
+        _, residual = residual_ref(probs_ref(z, at_threshold, at_lse), q, lenience[:, None])
         residual_sample = (residual.log() + noise).argmax(-1)
         sample = torch.where((at < num_drafts) & (residual > 0).any(-1), residual_sample, sample)
     next_token = torch.where(sampling, sample, argmax[every_row, at])
@@ -439,7 +420,7 @@ def reviewer_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     settings = [s.repeat_interleave(per_row) for s in (temperature, top_k, top_p)]
     z, threshold, lse = processed_ref(logits.reshape(-1, vocab), *settings, filtered=filtered, max_top_k=max_top_k)
     greedy = (settings[0] == 0)[:, None]
-    probs = torch.where(greedy, _one_hot(z.argmax(-1), vocab), probs_ref(z, threshold, lse))
+    probs = torch.where(greedy, one_hot(z.argmax(-1), vocab), probs_ref(z, threshold, lse))
     return probs.reshape(logits.shape)
 
 
@@ -450,4 +431,4 @@ def sampled_distribution(logits: torch.Tensor, temperature: torch.Tensor, result
     (~6 ops where that takes ~50, each a kernel launch on a GPU)."""
     divisor = torch.where(temperature > 0, temperature.float(), 1.0)[:, None]
     p = probs_ref(logits.float() / divisor, result.threshold[:, 0], result.lse[:, 0])
-    return torch.where((temperature > 0)[:, None], p, _one_hot(result.next_token, logits.shape[-1]))
+    return torch.where((temperature > 0)[:, None], p, one_hot(result.next_token, logits.shape[-1]))
