@@ -240,9 +240,9 @@ class CascadeDecoder(Decoder):
         caps = [torch.zeros_like(width) if cap is None else cap for cap in caps]
         return torch.stack(budgets + [width] + caps + [direct.long()], 1)
 
-    def _k_tail(self, state: DecodeState, direct: torch.Tensor) -> torch.Tensor:
+    def _k_tail(self, state: DecodeState, direct: torch.Tensor | None) -> torch.Tensor:
         """[B, plan columns after the lags] of K's budgets: a row that drafts by K, or a direct row
-        (its width still K's). Both rows are device constants made once per batch size, when a
+        (its width still K's; direct None: no row can go direct). Both rows are device constants made once per batch size, when a
         plan is first computed: the scheduler does that eagerly, before any step graph."""
         if state.batch not in self._k_rows:
             if state.pending.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -273,12 +273,12 @@ class CascadeDecoder(Decoder):
         n = len(self.models.drafters)
         return key if any(key[n:n + len(self.sources)]) else (0,) * n + key[n:]
 
-    def _direct(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _direct(self, state: DecodeState) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """([B] bool: the row goes direct, [B] int64: the length of MaG's proposal (up to
-        direct_tokens) at the committed end, or None where nothing needs it: no direct rows
-        and no budgets that read it, `reads_proposal`)."""
+        direct_tokens) at the committed end), both None where nothing needs them: no direct
+        rows and no budgets that read the proposal, `reads_proposal`."""
         if not self.direct_match and not self.reads_proposal:
-            return torch.zeros_like(state.active), None
+            return None, None
         end = state.committed + 1
         state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         proposal = self.mag.propose(state.tokens, end, end, self.direct_tokens, state.max_committed + 1)

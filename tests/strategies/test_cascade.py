@@ -313,6 +313,7 @@ def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_m
     lag = [state.committed - engine.drafters[0].cache.lengths, torch.zeros_like(state.committed)]  # d1, MaG
     for _ in range(2):  # the first call builds the two rows, the second reuses them
         direct, ready = decoder._direct(state)
+        direct = torch.zeros(2, dtype=torch.bool) if direct is None else direct  # None: no row can go direct
         budgets = budgets_from_k(decoder.levels, 2, "cpu")  # sources: d1 (its MaG below), then MaG at the top
         m = decoder.mag_tokens
         caps = [torch.zeros(2, dtype=torch.int64), torch.full((2,), m), torch.full((2,), m)]
