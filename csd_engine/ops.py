@@ -256,7 +256,7 @@ def int4_kernel_runs(device, dtype: torch.dtype) -> bool:
     bf16 on an x86 CPU with AVX2 and FMA (and CSD_CPU_ISA not baseline; the extension decides).
     Against torch's _weight_int4pack_mm_for_cpu, the int4 Qwen 0.5B's forward of 1 / 5 / 9 tokens:
     9 / 20 / 35 ms instead of 11 / 28 / 43 on a 2-core AVX-512 EPYC with AVX-512 BF16; one token
-    24 ms instead of 39 on a 2-core AVX2 EPYC (README). Its rows are batch-invariant.
+    23 ms instead of 38 on a 2-core AVX2 EPYC (README). Its rows are batch-invariant.
     CSD_INT4_LINEAR=0 keeps torch's op."""
     forced = os.environ.get("CSD_INT4_LINEAR")
     if forced not in (None, "", "0", "1"):

@@ -58,8 +58,9 @@ def drafter_dense_rows(device, dtype: torch.dtype, scheme: str | None = None) ->
     """Rows above which a quantized drafter's calls (weights of `scheme`) take its dense copy:
     DRAFTER_DENSE_ROWS, but fewer on a CPU without native bf16 where csd_engine's bf16 kernel runs,
     whose cost grows slowly with the rows: 4 for int4 weights on csd_engine's int4 kernel, 2 for
-    torch's int4 op. Whole int4 Qwen 0.5B forwards of 1 / 2 / 3 / 4 / 5 rows on a 2-core AVX2 EPYC
-    (ms): the kernel 24 / 29 / 38 / 45 / 55, torch's op 39 / 41, the dense copy from 3 rows 47 / 49 / 49."""
+    torch's int4 op. Whole int4 Qwen 0.5B forwards on a 2-core AVX2 EPYC (README, "int4 on a CPU
+    without native bf16"): the kernel 23 / 28 / 38 / 45 ms for 1 to 4 rows, torch's op 38 / 40 for
+    1 or 2; the dense copy 47-49 ms from 3 rows, which the kernel exceeds from 5."""
     cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and kernel_without_native_bf16()
     if not cpu_kernel:
         return DRAFTER_DENSE_ROWS

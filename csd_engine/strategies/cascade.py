@@ -242,8 +242,9 @@ class CascadeDecoder(Decoder):
 
     def _k_tail(self, state: DecodeState, direct: torch.Tensor | None) -> torch.Tensor:
         """[B, plan columns after the lags] of K's budgets: a row that drafts by K, or a direct row
-        (its width still K's; direct None: no row can go direct). Both rows are device constants made once per batch size, when a
-        plan is first computed: the scheduler does that eagerly, before any step graph."""
+        (its width still K's; direct None: no row can go direct). Both rows are device constants
+        made once per batch size, when a plan is first computed: the scheduler does that eagerly,
+        before any step graph."""
         if state.batch not in self._k_rows:
             if state.pending.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("cascade budgets first asked inside a CUDA graph capture: call plan() first")
