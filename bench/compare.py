@@ -3,7 +3,7 @@ chat-templated prompts of every category (bench/prompts.json), methods interleav
 
     python bench/compare.py                                  # Qwen2.5-Coder 1.5B <- 0.5B, bf16, every prompt
     python bench/compare.py --per-category 1 --methods hf,hf-assisted,ar,cascade
-    python bench/compare.py --prompts 5 --max-new-tokens 64 --rounds 1 --profile   # the README's 2026-11-22 runs
+    python bench/compare.py --prompts 5 --max-new-tokens 64 --rounds 1 --profile   # the 2026-11-22 runs (docs/)
     python bench/compare.py --dry-run                        # tiny random models: proves it runs, in seconds
 
 Each round decodes every prompt with every method, in an order that rotates from one prompt

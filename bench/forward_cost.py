@@ -8,7 +8,7 @@ decides whether speculative decoding can pay on a machine (a chain of k drafts n
 
 `--drafters` adds cheaper drafters by spec (quantized weights, early exits: load_runner's
 `:int8` / `:int4` / `[:L]` suffixes), native runner only; "x target" is a row's time over the
-first model's one-token forward in the same dtype. The greedy-agreement table of the README
+first model's one-token forward in the same dtype. The greedy-agreement table of docs/measurements.md
 came from this script's version in commit 3b771e0 (`--agreement`).
 
 For each (model, dtype, n) every path of PATHS (csd_engine's native runner; transformers'

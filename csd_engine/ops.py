@@ -174,7 +174,7 @@ def bf16_kernel_pays() -> bool:
     reads the weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2
     EPYC; the kernel: 1.7x); with avx512_bf16 its oneDNN path streams the weights at ~30 GB/s
     where the kernel's AVX-512 tiles reached 35-56 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP
-    weights; README). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
+    weights; docs/measurements.md). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
     forced = os.environ.get("CSD_BF16_LINEAR")
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"CSD_BF16_LINEAR must be 1 (use csd_engine's bf16 CPU kernel) or 0 (torch's), got {forced!r}")
@@ -213,7 +213,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # compute-bound with the rows while oneDNN's bf16 products do not (2-core AVX-512 EPYC: the Qwen
 # 1.5B's 17-token forward 2.68x its one-token one on the kernel; with the kernel at every width,
 # summarization and RAG prompts, whose prefills are hundreds of rows, generated 0.75x and 0.80x as
-# fast in an interleaved check; README). 17: a batch-1 step's widest forward (the pending token and
+# fast in an interleaved check; docs/measurements.md). 17: a batch-1 step's widest forward (the pending token and
 # a 16-token direct draft) stays on the kernel, whose rows do not depend on the call's, so greedy
 # speculative decoding at batch 1 emits plain decoding's tokens exactly (its 17-row forward 173 ms
 # against torch's 159; 24 rows 238 against 186, 33 rows 319 against 218; ad hoc, in-process, interleaved).
@@ -256,7 +256,7 @@ def int4_kernel_runs(device, dtype: torch.dtype) -> bool:
     bf16 on an x86 CPU with AVX2 and FMA (and CSD_CPU_ISA not baseline; the extension decides).
     Against torch's _weight_int4pack_mm_for_cpu, the int4 Qwen 0.5B's forward of 1 / 5 / 9 tokens:
     9 / 20 / 35 ms instead of 11 / 28 / 43 on a 2-core AVX-512 EPYC with AVX-512 BF16; one token
-    23 ms instead of 38 on a 2-core AVX2 EPYC (README). Its rows are batch-invariant.
+    23 ms instead of 38 on a 2-core AVX2 EPYC (docs/measurements.md). Its rows are batch-invariant.
     CSD_INT4_LINEAR=0 keeps torch's op."""
     forced = os.environ.get("CSD_INT4_LINEAR")
     if forced not in (None, "", "0", "1"):

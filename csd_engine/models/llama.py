@@ -7,7 +7,7 @@ Numerics follow transformers: RMSNorm in fp32, RoPE tables computed in fp32 then
 Two paths with the same roundings: plain PyTorch ops, and `fused=True` (the default): the
 residual add fused with each RMSNorm and RoPE with the KV-cache write, taking a layer from ~40
 launches to ~12. On CUDA these are Triton kernels (kernels/rmsnorm.py, kernels/rope.py): on an
-H100 (bench/gpu.py forward_profile, README) a graphed Llama-2-7B decoding forward takes 6.0 ms
+H100 (bench/gpu.py forward_profile, docs/measurements.md) a graphed Llama-2-7B decoding forward takes 6.0 ms
 fused against 7.8 ms plain. On the CPU they are the extension's C++ ops (csrc/decode_cpu.cpp),
 with the activation and the attention of decoding and verification forwards (chains and trees)
 as well: a layer is its matmuls and five other ops. That attention computes each new token as if
@@ -87,7 +87,7 @@ class LlamaRunner(Runner):
             parse_scheme(quantize)
             if quantize == "int8" and torch.device(device).type == "cuda":
                 warnings.warn("quantize='int8' on CUDA runs torch's one-thread-per-output int8 kernel: a forward "
-                              "took 8.7-85x the bf16 one on an H100 (README, GPU section); 'int4' took 0.5x",
+                              "took 8.7-85x the bf16 one on an H100 (docs/measurements.md, GPU); 'int4' took 0.5x",
                               stacklevel=2)
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise ValueError("sliding-window attention is not supported by the native runner; "
@@ -106,7 +106,7 @@ class LlamaRunner(Runner):
         # The fused path runs the extension's C++ ops on a CPU that has them, else Triton's kernels
         # (on a CPU only under TRITON_INTERPRET=1, as the kernel tests run them).
         cpu_ops = self.device.type == "cpu" and ops.cpu_layer_ops_run()
-        # None: fused on CUDA (an H100 step 7.8 -> 6.0 ms, README) and with the C++ ops on a CPU
+        # None: fused on CUDA (an H100 step 7.8 -> 6.0 ms, docs/measurements.md) and with the C++ ops on a CPU
         self.fused = ((self.device.type == "cuda" and head_dim_ok) or cpu_ops) if fused is None else bool(fused)
         self.cpu_layer_ops = self.fused and cpu_ops
         if self.fused and not (head_dim_ok or self.cpu_layer_ops):

@@ -31,7 +31,7 @@ dense bf16 matmul's stays nearly flat up to ~16 rows. `dense_rows=R` keeps the d
 activation dtype as well and sends calls of more than R rows through it (prefill, a drafter
 catching up, wide reviews): fast at every width for 1.25x (int4) or 1.5x (int8) the bf16 bytes.
 A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 16; bench/forward_cost.py,
-README): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64 tokens
+docs/measurements.md): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64 tokens
 137 / 223 / 129, 900 tokens 1852 / 3451 / 1866: the crossover of the whole model is near 16 rows.
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
 quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on a CPU without
@@ -58,7 +58,7 @@ def drafter_dense_rows(device, dtype: torch.dtype, scheme: str | None = None) ->
     """Rows above which a quantized drafter's calls (weights of `scheme`) take its dense copy:
     DRAFTER_DENSE_ROWS, but fewer on a CPU without native bf16 where csd_engine's bf16 kernel runs,
     whose cost grows slowly with the rows: 4 for int4 weights on csd_engine's int4 kernel, 2 for
-    torch's int4 op. Whole int4 Qwen 0.5B forwards on a 2-core AVX2 EPYC (README, "int4 on a CPU
+    torch's int4 op. Whole int4 Qwen 0.5B forwards on a 2-core AVX2 EPYC (docs/measurements.md, "int4 on a CPU
     without native bf16"): the kernel 23 / 28 / 38 / 45 ms for 1 to 4 rows, torch's op 38 / 40 for
     1 or 2; the dense copy 47-49 ms from 3 rows, which the kernel exceeds from 5."""
     cpu_kernel = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and kernel_without_native_bf16()

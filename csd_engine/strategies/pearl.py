@@ -45,7 +45,7 @@ Two devices (the published setting, in one process): `Engine(..., drafter_device
 builds the drafter there. Each round the worker copies the few inputs it needs (the token
 buffer, pending / carried tokens, the sampling settings) to the drafter's device and the
 drafts come back to the target's; with one device every such copy is a no-op. Measured on
-one H100 (README): the two sides, both bandwidth-bound on one memory, did not overlap.
+one H100 (docs/measurements.md): the two sides, both bandwidth-bound on one memory, did not overlap.
 """
 import contextlib
 import time
@@ -69,7 +69,7 @@ class Pearl:
 
     overlap: None (default) runs the two sides concurrently only when the drafter has a device
     of its own (Engine(drafter_device=...)). On one device both stream their weights through
-    the same memory and did not overlap (measured on two CPU cores and on one H100, README):
+    the same memory and did not overlap (measured on two CPU cores and on one H100, docs/measurements.md):
     run in turn, a PEARL round costs a chain speculative step and emits fewer tokens (no bonus
     token, one-token pre-verify rounds), so the rows decode by chain speculative decoding with
     k = gamma instead (Speculative's step: same greedy tokens, no PEARL metrics). True forces
