@@ -143,13 +143,14 @@ class Engine:
     # ----------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  strategy=None) -> list[GenerationResult]:
-        """Generate for a batch of prompts (text or token ids) to the end, results in order.
+        """Generate for prompts (text or token ids) to the end, results in order. Any number of
+        prompts: at most max_batch_size decode at once, the others join as rows free up.
         Raises ValueError if a model produced non-finite logits for a prompt (the others ran to
         their end; the engine stays usable)."""
         prompt_ids = self._encode(prompts)
         params = self._params(params, len(prompt_ids))
         done = {}
-        with self.scheduler(strategy, rows=len(prompt_ids)) as scheduler:
+        with self.scheduler(strategy, rows=min(len(prompt_ids), self.max_batch_size)) as scheduler:
             ids = [scheduler.add(p, q) for p, q in zip(prompt_ids, params)]
             while scheduler.has_unfinished():
                 done.update((out.request_id, out.result) for out in scheduler.step() if out.finished)
@@ -163,10 +164,11 @@ class Engine:
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, strategy=None):
         """Like `generate`, but yields each step's increments (RequestOutput, request_id = the
         prompt's index as a string) as the step commits them: token ids, text deltas (their
-        concatenation is the result's text) and, last for each prompt, its GenerationResult."""
+        concatenation is the result's text) and, last for each prompt, its GenerationResult.
+        Prompts past max_batch_size wait for free rows, as in `generate`."""
         prompt_ids = self._encode(prompts)
         params = self._params(params, len(prompt_ids))
-        with self.scheduler(strategy, rows=len(prompt_ids)) as scheduler:
+        with self.scheduler(strategy, rows=min(len(prompt_ids), self.max_batch_size)) as scheduler:
             for p, q in zip(prompt_ids, params):
                 scheduler.add(p, q)
             while scheduler.has_unfinished():
@@ -185,8 +187,6 @@ class Engine:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"{len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
         return [self._encode_prompt(p, i) for i, p in enumerate(prompts)]
 
     def _encode_prompt(self, p, i: int | None = None) -> list[int]:

@@ -3,7 +3,8 @@
 * requests arriving at different steps, joining rows that others left, each give the tokens
   they give alone (greedy: plain decoding; seeded sampling: the same draws), in float32 on the
   CPU;
-* abort frees the row for the next request; idle rows never grow a cache;
+* abort frees the row for the next request; idle rows never grow a cache; generate and stream
+  take more prompts than rows, the others waiting for free rows;
 * streamed increments concatenate to `generate`'s result (tokens, text with split UTF-8
   characters, log-probabilities); stop strings cut the text before the stop, also inside a
   multi-token step; log-probabilities are those of the target's processed distribution;
@@ -102,6 +103,24 @@ def test_requests_joining_and_leaving_give_their_tokens_alone(models, name):
         mine, theirs = results[i].metrics, expected.metrics  # its own counters, not its row's history
         assert (mine.accepted, mine.drafted, mine.target_forwards, mine.acceptance_by_level) == \
             (theirs.accepted, theirs.drafted, theirs.target_forwards, theirs.acceptance_by_level)
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative-mag", "cascade2-l2"])
+def test_generate_and_stream_take_more_prompts_than_rows(models, name):
+    """generate / stream of 5 prompts on 2 rows: the others wait for free rows, and each gives
+    its tokens alone, in order (stream's request ids are the prompts' indexes)."""
+    engine = engine_for(models, name, rows=2)
+    strategy = STRATEGIES[name][1]
+    prompts = [prompt for prompt, _, _ in ARRIVALS[:5]]
+    params = [params for _, params, _ in ARRIVALS[:5]]
+    results = engine.generate(prompts, params, strategy=strategy)
+    streamed = {out.request_id: out.result for out in engine.stream(prompts, params, strategy=strategy)
+                if out.finished}
+    assert sorted(streamed) == [str(i) for i in range(5)]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        expected = alone(engine, strategy, prompt, p)
+        assert results[i].token_ids == streamed[str(i)].token_ids == expected.token_ids, f"{name}: prompt {i}"
+        assert results[i].finish_reason == expected.finish_reason
 
 
 @pytest.mark.parametrize("name", ["autoregressive", "cascade2-l2", "pearl"])
