@@ -56,11 +56,11 @@ JSON_FLAGS = ("k_matrix", "tree", "branching")
 CLI_CASCADE_MAG_TOKENS = 4  # the CLI's cascade default since its first version (the class's is 10)
 
 
-def _json(text: str, flag: str):
+def _json(text: str, flag: str, example: str = "'[[2,4],[0,4]]' or '[3,2]'"):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag} must be JSON, e.g. '[[2,4],[0,4]]' or '[3,2]'; got {text!r} ({exc.msg})") from None
+        raise ValueError(f"{flag} must be JSON, e.g. {example}; got {text!r} ({exc.msg})") from None
 
 
 def _flag(dest: str) -> str:
@@ -89,7 +89,7 @@ def make_strategy(name: str, options: dict):
 def parse_strategy_config(text: str) -> tuple[str, dict]:
     """`{"<strategy name>": {<option>: <value>, ...}}` -> (name, options)."""
     example = '\'{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 2}}\''
-    config = _json(text, "--strategy-config") if text.strip() else None
+    config = _json(text, "--strategy-config", example) if text.strip() else None
     if not isinstance(config, dict) or len(config) != 1:
         raise ValueError(f"--strategy-config must be a JSON object with one key, the strategy name "
                          f"({', '.join(STRATEGIES)}), e.g. {example}; got {text!r}")

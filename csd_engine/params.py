@@ -32,11 +32,11 @@ class SamplingParams:
                 raise ValueError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
                                  "disagree: give one of them")
             self.max_new_tokens = self.max_tokens
-        for name, kind in (("temperature", (int, float)), ("top_p", (int, float)),
-                           ("top_k", int), ("max_new_tokens", int)):
+        for name, kind, what in (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
+                                 ("top_k", int, "an int"), ("max_new_tokens", int, "an int")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kind):
-                raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
+                raise TypeError(f"SamplingParams.{name} must be {what}, got {type(value).__name__}")
         if not self.temperature >= 0 or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

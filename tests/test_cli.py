@@ -97,7 +97,7 @@ def test_json_configs_become_the_strategy_dataclasses():
     ('["cascade"]', "--strategy-config must be a JSON object with one key"),
     ('{"speculative": {"k": 2}, "pearl": {}}', "--strategy-config must be a JSON object with one key"),
     ('{"speculative": 2}', "the options of 'speculative' must be a JSON object"),
-    ('{"speculative": ', "--strategy-config must be JSON"),
+    ('{"speculative": ', "--strategy-config must be JSON, e.g. '{\"cascade\": {\"k_matrix\""),
 ])
 def test_bad_strategy_configs_exit_2_naming_the_problem(tmp_path, capsys, config, message):
     folder = _tiny_folder(tmp_path)

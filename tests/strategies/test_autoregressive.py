@@ -84,6 +84,8 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: SamplingParams(top_p=0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: SamplingParams(top_k=-2), "top_k"),
+        (lambda: SamplingParams(top_k=2.5), "SamplingParams.top_k must be an int, got float"),
+        (lambda: SamplingParams(temperature="1"), "SamplingParams.temperature must be a number, got str"),
         (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
         (lambda: SamplingParams(stop_token_ids=[-1]), r"stop_token_ids must be a list of token ids \(ints >= 0\)"),
         (lambda: SamplingParams(stop_token_ids=[2.7]), "stop_token_ids"),  # not silently made 2
