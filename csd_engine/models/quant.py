@@ -123,6 +123,12 @@ def pack_int4_for_kernel(q: torch.Tensor) -> torch.Tensor:
     return (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(n, k // 2).contiguous()
 
 
+def _row_blocks(n: int, k: int):
+    """Row ranges of about 256K entries: each block's passes stay in the cache."""
+    rows = max(1, (1 << 18) // k)
+    return ((r, min(r + rows, n)) for r in range(0, n, rows))
+
+
 def quantize_values(w: torch.Tensor, scheme: str, dtype: torch.dtype) -> QuantizedValues:
     """Round an [N, K] float weight to `scheme` (pure PyTorch, in float32); scales in `dtype`."""
     bits, group = parse_scheme(scheme)
@@ -131,27 +137,38 @@ def quantize_values(w: torch.Tensor, scheme: str, dtype: torch.dtype) -> Quantiz
     check_shape(scheme, tuple(w.shape), dtype, w.device)
     n, k = w.shape
     tiny = torch.finfo(dtype).tiny
-    if bits == 8:
-        w32 = w.float()
-        scale = (w32.abs().amax(1, keepdim=True) / 127).clamp_min(tiny).to(dtype)
-        q = torch.round(w32 / scale.float()).clamp(-127, 127)
-        return QuantizedValues(q.to(torch.int32), scale, None, 8, k, dtype)
-    w32 = w.float().view(n, k // group, group)
-    lo, hi = w32.amin(-1, keepdim=True), w32.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp_min(tiny).to(dtype)
-    zero = (lo + 8 * scale.float()).to(dtype)
-    q = (torch.round((w32 - zero.float()) / scale.float()) + 8).clamp(0, 15)
-    return QuantizedValues(q.view(n, k).to(torch.int32), scale.squeeze(-1), zero.squeeze(-1), 4, group, dtype)
+    group = k if bits == 8 else group
+    q = torch.empty(n, k, dtype=torch.int32, device=w.device)
+    scale = torch.empty(n, k // group, dtype=dtype, device=w.device)
+    zero = torch.empty_like(scale) if bits == 4 else None
+    for r0, r1 in _row_blocks(n, k):  # block by block, the same operations on every entry
+        w32 = w[r0:r1].to(torch.float32, copy=True).view(r1 - r0, k // group, group)
+        if bits == 8:
+            s = (w32.abs().amax(-1, keepdim=True) / 127).clamp_min(tiny).to(dtype)
+            w32.div_(s.float()).round_().clamp_(-127, 127)
+        else:
+            lo, hi = w32.amin(-1, keepdim=True), w32.amax(-1, keepdim=True)
+            s = ((hi - lo) / 15).clamp_min(tiny).to(dtype)
+            z = (lo + 8 * s.float()).to(dtype)
+            w32.sub_(z.float()).div_(s.float()).round_().add_(8).clamp_(0, 15)
+            zero[r0:r1] = z.squeeze(-1)
+        q[r0:r1] = w32.view(r1 - r0, k)
+        scale[r0:r1] = s.squeeze(-1)
+    return QuantizedValues(q, scale, zero, bits, group, dtype)
 
 
-def dequantize(values: QuantizedValues) -> torch.Tensor:
-    """[N, K] float32: the weight the quantized matmul multiplies by (the reference)."""
+def dequantize(values: QuantizedValues, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K]: the weight the quantized matmul multiplies by (the reference), computed in float32
+    and returned in `dtype`."""
     n, k = values.q.shape
-    q = (values.q - values.offset).float().view(n, k // values.group, values.group)
-    w = q * values.scale.float()[..., None]
-    if values.zero is not None:
-        w = w + values.zero.float()[..., None]
-    return w.view(n, k)
+    out = torch.empty(n, k, dtype=dtype, device=values.q.device)
+    for r0, r1 in _row_blocks(n, k):
+        w = (values.q[r0:r1] - values.offset).float().view(r1 - r0, k // values.group, values.group)
+        w.mul_(values.scale[r0:r1].float()[..., None])
+        if values.zero is not None:
+            w.add_(values.zero[r0:r1].float()[..., None])
+        out[r0:r1] = w.view(r1 - r0, k)
+    return out
 
 
 class QuantizedLinear:
@@ -167,7 +184,7 @@ class QuantizedLinear:
                        "int4" if values.bits == 4 and int4_kernel_runs(self.device, values.dtype)
                        and values.group % 64 == 0 and n % 8 == 0 else None)
         self.dense_rows = 0 if self.kernel == "int8" else dense_rows
-        self.dense = dequantize(values).to(values.dtype) if self.dense_rows else None  # for calls of more rows
+        self.dense = dequantize(values, values.dtype) if self.dense_rows else None  # for calls of more rows
         aten = torch.ops.aten
         if self.kernel == "int4":
             self.packed = pack_int4_for_kernel(values.q)

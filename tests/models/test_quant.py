@@ -52,9 +52,11 @@ def dequantized_model(model, scheme, dtype=torch.float32):
 @pytest.mark.parametrize("scheme", ["int8", "int4g32", "int4", "int4g256"])
 def test_dequantized_weight_is_within_half_a_step(scheme, dtype):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    w = torch.randn(64, 512, generator=g) * 0.05
-    w[3] += 0.3  # a row far from zero: the int4 zero point is large against the step there
+    w = torch.randn(1104, 512, generator=g) * 0.05  # rows in three of quantize_values' blocks
+    w[3] += 0.3  # rows far from zero: the int4 zero point is large against the step there
+    w[700] -= 0.4
     values = quantize_values(w, scheme, dtype)
+    assert values.q.shape == w.shape and values.scale.shape == (1104, 512 // values.group)
     lo, hi = (-127, 127) if values.bits == 8 else (0, 15)
     assert values.q.min() >= lo and values.q.max() <= hi
     per_weight = lambda t: t.float().repeat_interleave(values.group, dim=1)  # noqa: E731  [N, K/G] -> [N, K]
@@ -63,6 +65,7 @@ def test_dequantized_weight_is_within_half_a_step(scheme, dtype):
     if values.zero is not None:
         bound = bound + UNIT_ROUNDOFF[dtype] * (per_weight(values.zero).abs() + 8 * step)
     w_hat = dequantize(values)
+    assert torch.equal(dequantize(values, dtype), w_hat.to(dtype))
     # rounding to the grid and rebuilding w_hat run in float32: a weight half a step from two
     # grid points may land on either, off by the float32 rounding of w / s and of w_hat
     bound = bound + 2 * UNIT_ROUNDOFF[torch.float32] * (w.abs() + w_hat.abs())
