@@ -114,7 +114,8 @@ class Engine:
         # a quantized drafter keeps dense copies for wide calls (prefill, catch-up): faster, same losslessness
         runner, _ = load_runner(spec, self.drafter_device, self.dtype, native, attention_backend, self.fused_kernels,
                                 dense_rows=drafter_dense_rows(self.drafter_device, self.dtype,
-                                                              split_spec(spec)[1] if isinstance(spec, str) else None))
+                                                              split_spec(spec)[1] if isinstance(spec, str) else None),
+                                with_tokenizer=False)
         if runner.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")

@@ -53,7 +53,7 @@ def split_spec(spec: str) -> tuple[str, str | None, int | None]:
     return match["model"], quantize, None if layers is None else int(layers)
 
 
-def _load_hf(spec: str, dtype: torch.dtype):
+def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from csd_engine.models import zoo
@@ -84,6 +84,8 @@ def _load_hf(spec: str, dtype: torch.dtype):
         raise ValueError(f"{spec!r} is not a model: expected a zoo name ({', '.join(zoo.MODELS)}), "
                          f"a model folder, a .gguf file or a reachable hub id ({exc.__class__.__name__}: "
                          f"{str(exc).splitlines()[0][:200]})") from None
+    if not with_tokenizer:
+        return model.eval(), None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     except (OSError, ValueError, TypeError):
@@ -108,13 +110,15 @@ def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
                 attention_backend: str = "sdpa", fused: bool | None = None,
-                quantize: str | None = None, dense_rows: int = 0) -> tuple[Runner, object]:
+                quantize: str | None = None, dense_rows: int = 0,
+                with_tokenizer: bool = True) -> tuple[Runner, object]:
     """Returns (runner, tokenizer or None). native=None picks the native runner when it
     supports the architecture; True demands it; False forces the generic runner. `fused`:
     the native runner's fused norm / RoPE path (None: Triton kernels on CUDA where the head size
     allows, the extension's C++ ops on a CPU that has them; ignored by the generic runner).
     `quantize`: "int8", "int4" or "int4gG" weights (native runner only), as a `:int4` suffix does;
     `dense_rows`: quantized matrices also kept dense for calls of more rows (models/quant.py).
+    with_tokenizer=False skips loading the tokenizer (a drafter's text is the target's; ~1 s).
     A runner built here has `eos_token_ids` set (see `eos_token_ids`); a Runner passed in is
     returned as it is."""
     if quantize is not None:
@@ -130,7 +134,7 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
         if suffix_scheme is not None and quantize not in (None, suffix_scheme):
             raise ValueError(f"the spec asks for {suffix_scheme} weights and quantize for {quantize}: give one")
         quantize = quantize or suffix_scheme
-        model, tokenizer = _load_hf(spec, dtype)
+        model, tokenizer = _load_hf(spec, dtype, with_tokenizer)
     elif isinstance(spec, torch.nn.Module) and hasattr(spec, "config"):
         model = spec.eval()
     else:
