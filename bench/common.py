@@ -12,16 +12,41 @@ HERE = Path(__file__).resolve().parent
 ALIASES = {"summarisation": "summarization"}  # the spelling of JSON recorded before 2026-11-23
 
 
-def load_prompts(limit: int | None = None, categories: str | None = None, per_category: int | None = None) -> list[dict]:
-    """bench/prompts.json's entries ({"category", and "prompt" (text) or "messages" (chat)}),
-    in file order: those of `categories` (comma-separated; default all), at most
-    `per_category` of each, at most `limit` in all."""
-    prompts = json.loads((HERE / "prompts.json").read_text())
+PROMPTS_FORMAT = ('a JSON list of {"category": "...", "prompt": "..."} or {"category": "...", "messages": '
+                  '[{"role": "user", "content": "..."}, ...]}, as bench/prompts.json')
+
+
+def _is_prompt(p) -> bool:
+    if not isinstance(p, dict) or not isinstance(p.get("category"), str):
+        return False
+    messages = p.get("messages")
+    if isinstance(messages, list) and messages:
+        return all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages)
+    return isinstance(p.get("prompt"), str) and bool(p["prompt"])
+
+
+def load_prompts(limit: int | None = None, categories: str | None = None, per_category: int | None = None,
+                 path: str | Path | None = None) -> list[dict]:
+    """The entries of bench/prompts.json, or of the file at `path` in its format ({"category", and
+    "prompt" (text) or "messages" (chat)}), in file order: those of `categories` (comma-separated;
+    default all), at most `per_category` of each, at most `limit` in all."""
+    path = Path(path) if path else HERE / "prompts.json"
+    try:
+        prompts = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read prompts from {path}: {exc}; expected {PROMPTS_FORMAT}") from None
+    if not isinstance(prompts, list) or not prompts:
+        raise SystemExit(f"{path} holds no prompts; expected {PROMPTS_FORMAT}")
+    for i, p in enumerate(prompts):
+        if not _is_prompt(p):
+            raise SystemExit(f"{path}: entry {i} is not a prompt ({str(p)[:80]}); expected {PROMPTS_FORMAT}")
     if categories:
         wanted = {ALIASES.get(c, c) for c in categories.split(",")}
         unknown = wanted - {p["category"] for p in prompts}
         if unknown:
-            raise SystemExit(f"no prompts of categories {sorted(unknown)} in bench/prompts.json")
+            raise SystemExit(f"no prompts of categories {sorted(unknown)} in {path} (it has "
+                             f"{sorted({p['category'] for p in prompts})})")
         prompts = [p for p in prompts if p["category"] in wanted]
     if per_category:
         kept, seen = [], defaultdict(int)

@@ -212,7 +212,7 @@ def label(key: str, name: str, own) -> str:
 
 def parse_args(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, rounds=2, categories=None, per_category=None)
+                        max_new_tokens=128, rounds=2, categories=None, per_category=None, prompts_file=None)
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated keys of METHODS, each optionally with its own settings "
                          "(KEY:K=[[3,4],[0,4]]:l=3, module docstring; default every key)")
@@ -260,7 +260,8 @@ def main(argv=None):
     methods = split_methods(args.methods)
     configured = {key: method_args(args, key) for key in methods}
     labels = {key: label(key, name, own) for key, (name, own) in configured.items()}
-    prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category))
+    prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category,
+                                             path=args.prompts_file))
     prompts = prompts[:args.prompts] if args.prompts else prompts
 
     tokenizer, target, drafter = harness.load_pair(args)

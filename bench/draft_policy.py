@@ -248,7 +248,7 @@ def time_costs(target, drafter, ids: list[int], repeats: int) -> tuple[list[tupl
 
 def parse_args(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, repeats=5, categories=None, per_category=None)
+                        max_new_tokens=128, repeats=5, categories=None, per_category=None, prompts_file=None)
     ap.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
                     help="the drafter's weights (default int4, the README's main command)")
     ap.add_argument("--drafter-cost", type=float, default=None,
@@ -301,7 +301,8 @@ def main(argv=None):
 
 def record_all(args) -> tuple[list[Trace], list[tuple[int, float]], float]:
     """Every prompt's trace, and the timed width curve and drafter cost."""
-    prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category))
+    prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category,
+                                             path=args.prompts_file))
     tokenizer, target, drafter_model = harness.load_pair(args)
     dtype, device = harness.DTYPES[args.dtype], torch.device("cpu")
     encoded = [encode(tokenizer, p, max_tokens=48 if args.dry_run else None) for p in prompts]

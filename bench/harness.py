@@ -41,6 +41,8 @@ OPTIONS = {
     "rounds": ("rounds over all prompts and methods; the median time per prompt is kept", int),
     "categories": ("comma-separated prompt categories of bench/prompts.json; all when not given", str),
     "per_category": ("at most this many prompts of each category; all when not given", int),
+    "prompts_file": ("prompts to use instead of bench/prompts.json, in its format: a JSON list of {\"category\", "
+                     "\"prompt\" or \"messages\"}", str),
 }
 
 

@@ -222,7 +222,7 @@ def offline(engine, strategy, prompts: list[list[int]], args) -> tuple[list[list
 
 def main(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=64)
+                        max_new_tokens=64, prompts_file=None)
     ap.add_argument("--strategy", action="append", default=None,
                     help="a strategy name or a JSON configuration (repeatable; default: autoregressive, speculative, "
                          "cascade)")
@@ -264,7 +264,7 @@ def main(argv=None):
     target = args.target if local else harness.resolve_model(args.target)
     drafters = [args.drafter if local else harness.resolve_model(args.drafter), "mag"]
     tokenizer = harness.load_tokenizer(target)
-    prompts = order_by_category(load_prompts())
+    prompts = order_by_category(load_prompts(path=args.prompts_file))
     keep = 48 if args.dry_run else SYNTHETIC_PROMPT_TOKENS if args.synthetic else None
     encoded = [encode(tokenizer, prompts[i % len(prompts)], max_tokens=keep) for i in range(args.requests)]
 

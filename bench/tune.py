@@ -53,7 +53,7 @@ def grid(args) -> list[tuple[str, object, bool]]:
 
 def main(argv=None):
     ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=48, repeats=1)
+                        max_new_tokens=48, repeats=1, prompts_file=None)
     ap.add_argument("--prompts", type=int, default=3, help="prompts from bench/prompts.json (one per category first)")
     ap.add_argument("--quick", action="store_true", help="a small grid (13 points instead of 42)")
     ap.add_argument("--quantize", default=None, choices=("int8", "int4"), help="the drafter's weights (default bf16)")
@@ -77,7 +77,7 @@ def main(argv=None):
                                tokenizer=tok)
     engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1, max_seq_len=1024,
                                    tokenizer=tok)
-    prompts = order_by_category(load_prompts())[:args.prompts]
+    prompts = order_by_category(load_prompts(path=args.prompts_file))[:args.prompts]
     encoded = [encode(tok, p, max_tokens=48 if args.dry_run else None) for p in prompts]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = [engine.generate([ids], params)[0].token_ids for ids in encoded]  # plain greedy (also a warm-up)

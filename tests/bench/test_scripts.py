@@ -54,6 +54,22 @@ def only_json(folder: Path, prefix: str) -> dict:
     return json.loads(path.read_text())
 
 
+def test_compare_takes_a_prompts_file_and_refuses_a_bad_one(tmp_path):
+    """--prompts-file: the user's own prompts (text or chat messages) by their own categories;
+    a file not in prompts.json's format is refused naming the entry and the format."""
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps([{"category": "legal", "prompt": "Summarise the clause."},
+                                {"category": "support", "messages": [{"role": "user", "content": "Reset it?"}]}]))
+    run("bench/compare.py", "--dry-run", "--prompts-file", str(mine), "--methods", "ar,cascade", "--rounds", "1",
+        "--no-plot", "--out", str(tmp_path))
+    assert list(only_json(tmp_path, "compare")["per_category"]) == ["legal", "support"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"category": "legal", "prompt": "ok"}, {"category": "legal", "text": "no"}]))
+    done = subprocess.run([sys.executable, "bench/compare.py", "--dry-run", "--prompts-file", str(bad), "--out",
+                           str(tmp_path)], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and f"{bad}: entry 1 is not a prompt" in done.stderr, done.stderr[-2000:]
+
+
 def test_compare_dry_run(tmp_path):
     run("bench/compare.py", "--dry-run", "--prompts", "2", "--rounds", "2", "--profile", "--out", str(tmp_path))
     record = only_json(tmp_path, "compare")
