@@ -34,8 +34,9 @@ A whole Qwen 0.5B forward (2 cores, ms; bf16 / int4 / int4 with R = 16; bench/fo
 docs/measurements.md): 1 token 47 / 15 / 15, 9 tokens 56 / 45 / 49, 17 tokens 69 / 71 / 58, 64 tokens
 137 / 223 / 129, 900 tokens 1852 / 3451 / 1866: the crossover of the whole model is near 16 rows.
 Its rounding differs from the op's, so a quantized target never uses it (its output is the
-quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on a CPU without
-native bf16 takes csd_engine's own kernel instead (ops.int8_linear), which needs no dense copy.
+quantized model's); drafters do (DRAFTER_DENSE_ROWS). int8 with bf16 activations on an x86 CPU where
+csd_engine's bf16 kernel runs takes its int8 twin instead (ops.int8_linear), which without native
+bf16 needs no dense copy (with it, a drafter's calls of more than DRAFTER_DENSE_ROWS take the copy).
 int4 with bf16 activations on an x86 CPU with AVX2 takes csd_engine's int4 kernel (ops.int4_linear,
 groups of 64 inputs or more) in its own packing (pack_int4_for_kernel); drafters keep dense copies
 (drafter_dense_rows).
@@ -51,7 +52,8 @@ DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
 SCHEMES = ("int8", "int4") + tuple(f"int4g{g}" for g in INT4_GROUPS)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DRAFTER_DENSE_ROWS = 16  # where the int4 op falls behind bf16 for a whole Qwen 0.5B forward on the CPU
+DRAFTER_DENSE_ROWS = 16  # where the int4 op (and with native bf16 the int8 kernel) falls behind bf16 for a
+# whole Qwen 0.5B forward on the CPU
 
 
 def drafter_dense_rows(device, dtype: torch.dtype, scheme: str | None = None) -> int:
@@ -178,12 +180,12 @@ class QuantizedLinear:
         n, k = values.q.shape
         self.shape, self.bits, self.group, self.dtype = (n, k), values.bits, values.group, values.dtype
         self.device = values.q.device
-        # csd_engine's own CPU kernel for this weight, if any: "int8" (as fast as bf16 at every
-        # width: no dense copy) or "int4" (groups of 64 inputs or more)
+        # csd_engine's own CPU kernel for this weight, if any: "int8" (without native bf16 as fast
+        # as bf16 at every width: no dense copy) or "int4" (groups of 64 inputs or more)
         self.kernel = ("int8" if values.bits == 8 and int8_kernel_runs(self.device, values.dtype) else
                        "int4" if values.bits == 4 and int4_kernel_runs(self.device, values.dtype)
                        and values.group % 64 == 0 and n % 8 == 0 else None)
-        self.dense_rows = 0 if self.kernel == "int8" else dense_rows
+        self.dense_rows = 0 if self.kernel == "int8" and kernel_without_native_bf16() else dense_rows
         self.dense = dequantize(values, values.dtype) if self.dense_rows else None  # for calls of more rows
         aten = torch.ops.aten
         if self.kernel == "int4":
