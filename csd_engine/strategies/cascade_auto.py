@@ -74,8 +74,9 @@ class AutoCascade:
         kinds = ["mag" if isinstance(d, MaG) else "model" for d in models.drafters]
         if kinds not in (["model", "mag"], ["mag"]):
             raise ValueError(f"Cascade.auto() tunes a target with one neural drafter and MaG (drafters=[model, "
-                             f"'mag']) or MaG alone (['mag']); this engine's drafters are {kinds}: give an explicit "
-                             "Cascade(k_matrix=...) for deeper cascades")
+                             f"'mag']; on the command line --drafter MODEL --drafter mag) or MaG alone (['mag']); "
+                             f"this engine's drafters are {kinds}: add 'mag' last, or give an explicit "
+                             "Cascade(k_matrix=...) (--k-matrix) for other cascades")
         a, m = self.max_tokens, self.mag_tokens
         k = ((a, m), (0, m)) if len(kinds) == 2 else ((m,),)
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)

@@ -111,6 +111,19 @@ def test_level_that_cannot_progress_is_refused(models):
         engine.generate([[1, 2]], strategy=Cascade(k_matrix=[[2, 1], [0, 0]]))
 
 
+def test_auto_refuses_drafters_it_cannot_tune_naming_them(models):
+    """Cascade.auto() needs [model, 'mag'] or ['mag']: anything else is refused naming the
+    drafters it got and what to give instead; the engine stays usable."""
+    target, d1, d2 = models
+    for drafters, kinds in (([d1], r"\['model'\]"), ([d1, d2, "mag"], r"\['model', 'model', 'mag'\]"),
+                            (["mag", d1], r"\['mag', 'model'\]")):
+        engine = Engine(target, drafters=drafters, max_batch_size=1, max_seq_len=32)
+        with pytest.raises(ValueError, match=rf"drafters are {kinds}: add 'mag' last, or give an explicit "
+                                             r"Cascade\(k_matrix=\.\.\.\) \(--k-matrix\)"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), strategy=Cascade.auto())
+        assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids  # still usable
+
+
 def test_bad_lenience_and_mag_tokens():
     for bad in (0.5, -1, "2"):
         with pytest.raises(ValueError, match="lenience"):
