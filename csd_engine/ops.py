@@ -239,8 +239,8 @@ def int8_kernel_runs(device, dtype: torch.dtype) -> bool:
     """Whether int8 weights for `dtype` activations on `device` take csd_engine's int8 kernel: bf16
     on a CPU where the bf16 kernel runs (same tiles, half the weight bytes). torch's
     _weight_int8pack_mm grows with the rows: without native bf16 it cost about the bf16 kernel's
-    time for one row; with AVX-512 BF16 the int8 Qwen 0.5B's matmuls took 20.8 / 29.4 ms on the
-    kernel for 1 / 5 rows against 25.8 / 56.4 on torch's op (2-core EPYC, ad hoc). Its rows are
+    time for one row; with AVX-512 BF16 the int8 Qwen 0.5B's forward of 1 / 5 tokens took 28 / 37 ms
+    on the kernel against 39 / 107 on torch's op (2-core EPYC, docs/measurements.md). Its rows are
     batch-invariant too."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "cpu" in _INT8_LINEAR_DEVICES
             and bf16_kernel_pays())
