@@ -116,8 +116,11 @@ def k_cascade(scheme: str | None = None, tree: bool = False):
         tree=tuple(json.loads(a.tree)) if tree else ())), "K", "l", "m", *(("tree",) if tree else ()))
 
 
-def self_tuning(strategy, scheme: str | None = None):
-    """Factory of `strategy`.auto(model_cost=--model-cost) over [0.5B (`scheme`), MaG]."""
+def self_tuning(strategy, scheme: str | None = None, tree: bool = False):
+    """Factory of `strategy`.auto(model_cost=--model-cost[, tree=--tree]) over [0.5B (`scheme`), MaG]."""
+    if tree:
+        return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(
+            model_cost=a.model_cost, tree=tuple(json.loads(a.tree)))), "cost", "tree")
     return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(model_cost=a.model_cost)), "cost")
 
 
@@ -150,6 +153,7 @@ METHODS = {
     "cascade-auto": ("csd_engine Cascade.auto()", self_tuning(Cascade)),
     "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)", self_tuning(Cascade, "int8")),
     "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)", self_tuning(Cascade, "int4")),
+    "cascade-auto-int4-tree": ("csd_engine Cascade.auto(0.5B int4, tree={tree})", self_tuning(Cascade, "int4", tree=True)),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
                lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
@@ -222,7 +226,9 @@ def parse_args(argv=None):
     ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG")
     ap.add_argument("--k-matrix", default="[[2,4],[0,4]]",
                     help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on the 2-core CPU)")
-    ap.add_argument("--tree", default="[3,2]", help="candidates per depth of cascade-tree's top-level tree")
+    ap.add_argument("--tree", default="[3,2]",
+                    help="candidates per depth of the top-level tree of cascade-tree, cascade-int4-tree and "
+                         "cascade-auto-int4-tree (the tree each row may choose)")
     ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
     ap.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call in the K-matrix cascades "

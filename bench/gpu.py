@@ -321,7 +321,9 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
                                                                           mag_tokens=4), True),
                   # per-row draft lengths chosen every step on the device (issue 17) beside the fixed ones
                   ("Speculative.auto()", csd_engine.Speculative.auto(), False),
-                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True)]
+                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True),
+                  # each row chooses the top-level tree where its siblings pay for their width (nearly free here)
+                  ("Cascade.auto(tree=(3, 2)), MaG", csd_engine.Cascade.auto(tree=(3, 2)), True)]
     rows = []
 
     def so_far(more):

@@ -47,7 +47,7 @@ STRATEGY_FLAGS = {
     "speculative": ("k",),
     "speculative_auto": (),
     "cascade": ("k_matrix", "lenience", "mag_tokens", "tree"),
-    "cascade_auto": (),
+    "cascade_auto": ("tree",),
     "staged": ("branching", "mag_tokens"),
     "pearl": ("gamma",),
 }
@@ -120,10 +120,11 @@ def build_strategy(args):
                for dest in given}
     if name == "cascade":
         if "k_matrix" not in options:
-            if options:
-                raise ValueError(f"{', '.join(map(_flag, options))} needs --k-matrix (--strategy cascade without "
+            fixed = [dest for dest in options if dest not in STRATEGY_FLAGS["cascade_auto"]]
+            if fixed:
+                raise ValueError(f"{', '.join(map(_flag, fixed))} needs --k-matrix (--strategy cascade without "
                                  f"it is Cascade.auto(), which chooses K and lenience itself)")
-            return make_strategy("cascade_auto", {})
+            return make_strategy("cascade_auto", options)
         options.setdefault("mag_tokens", CLI_CASCADE_MAG_TOKENS)
     return make_strategy(name, options)
 
@@ -149,7 +150,8 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--lenience", type=float, default=None, help="cascade: lenience >= 1 (default 1)")
     g.add_argument("--mag-tokens", type=int, default=None,
                    help=f"cascade / staged: tokens MaG proposes per call (default {CLI_CASCADE_MAG_TOKENS} / 0)")
-    g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]'")
+    g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]' (Cascade.auto(): the "
+                        "tree each row may choose)")
     g.add_argument("--branching", default=None, help="staged: children per depth as JSON, e.g. '[4,2,1,1]'")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)

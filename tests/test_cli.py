@@ -7,6 +7,7 @@ import pytest
 
 import csd_engine
 from csd_engine import AutoCascade, Cascade, Pearl, Speculative, Staged
+from csd_engine import cli
 from csd_engine.cli import main, make_strategy, parse_strategy_config
 from tests.tiny_models import VOCAB, tiny_llama
 
@@ -23,15 +24,16 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
 
 
 def test_cli_cascade_options_are_checked(tmp_path, capsys):
-    """Malformed --k-matrix JSON and --tree without a K matrix are clear errors (exit 2)."""
+    """Malformed --k-matrix JSON and --lenience without a K matrix are clear errors (exit 2)."""
     folder = tmp_path / "tiny"
     tiny_llama(seed=2).save_pretrained(folder)
     common = ["generate", "--target", str(folder), "--drafter", str(folder), "--drafter", "mag", "--json",
               "--max-new-tokens", "6", "--max-seq-len", "64"]
     assert main(common + ["--prompt", "x", "--strategy", "cascade", "--k-matrix", "[[2,4],[0,4]"]) == 2
     assert "--k-matrix must be JSON" in capsys.readouterr().err
-    assert main(common + ["--prompt", "x", "--strategy", "cascade", "--tree", "[3]"]) == 2
-    assert "--tree needs --k-matrix" in capsys.readouterr().err
+    assert main(common + ["--prompt", "x", "--strategy", "cascade", "--lenience", "2", "--tree", "[3]"]) == 2
+    err = capsys.readouterr().err
+    assert "--lenience needs --k-matrix" in err and "--tree" not in err.split("needs")[0]
 
 
 def _tiny_folder(tmp_path, seed=3):
@@ -122,6 +124,20 @@ def test_flags_a_strategy_does_not_take_are_refused(tmp_path, capsys, flags, mes
             "--prompt", "x"] + flags
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tree_without_a_k_matrix_is_cascade_auto_s(tmp_path, capsys, monkeypatch):
+    """--tree without --k-matrix reaches Cascade.auto() (the tree each row may choose), with
+    --strategy cascade or cascade_auto, and decodes plain greedy decoding's tokens."""
+    folder = _tiny_folder(tmp_path)
+    common = ["generate", "--target", folder, "--drafter", folder, "--drafter", "mag", "--json",
+              "--max-new-tokens", "5", "--max-seq-len", "64", "--prompt", "x"]
+    reference = _generate(common + ["--strategy", "autoregressive"], capsys)
+    built, build = [], cli.build_strategy
+    monkeypatch.setattr(cli, "build_strategy", lambda args: built.append(build(args)) or built[-1])
+    for strategy in ("cascade", "cascade_auto"):
+        assert _generate(common + ["--strategy", strategy, "--tree", "[3,2]"], capsys) == reference
+        assert built.pop() == AutoCascade(tree=(3, 2))
 
 
 def test_simple_flags_reach_their_strategy(tmp_path, capsys):

@@ -131,6 +131,10 @@ class StepMetrics:
     # checked (accepted, or the first rejected one): accepted / checked is the source's per-token rate
     source_accepted: torch.Tensor
     source_checked: torch.Tensor
+    # [B] a top-level tree's checks where the target rejected a neural trunk token that had
+    # siblings (checked) and took one of them instead (accepted): Cascade.auto()'s sibling rate
+    sibling_accepted: torch.Tensor
+    sibling_checked: torch.Tensor
     draft_lengths: torch.Tensor | None = None  # [B, L] rounds in which row b offered the target l draft tokens
     levels: set = field(default_factory=set)  # the levels that recorded a review (host-known)
     target_forwards: int = 0
@@ -144,7 +148,7 @@ class StepMetrics:
         cascade sources."""
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         return cls(z(levels, batch), z(levels, batch), z(batch, positions), z(batch, positions),
-                   z(sources, batch), z(sources, batch))
+                   z(sources, batch), z(sources, batch), z(batch), z(batch))
 
     def count_drafter(self, drafter: int, n: int = 1) -> None:
         """Count forwards of drafter `drafter` (an index into the engine's drafters)."""
@@ -156,6 +160,8 @@ class StepMetrics:
         """Zero the per-row counters of `rows` ([B] bool): a new request takes those rows."""
         for per_row in (self.level_accepted, self.level_drafted, self.source_accepted, self.source_checked):
             per_row.masked_fill_(rows[None, :], 0)
+        for per_row in (self.sibling_accepted, self.sibling_checked):
+            per_row.masked_fill_(rows, 0)
         for per_position in (self.accepted_by_position, self.drafted_by_position, self.draft_lengths):
             if per_position is not None:
                 per_position.masked_fill_(rows[:, None], 0)

@@ -15,16 +15,19 @@ Glossary:
   MaG's tokens straight to the target and skips the neural levels).
 * plan: per row, what the next step needs (how far each drafter's cache trails the committed
   prefix, its budget and cap of each source, the draft width it may fill, whether it goes
-  direct), computed at the end of the step before and read with its tokens: its maxima fix
-  the host-known widths and review rounds of the next step (none for a level no row uses;
-  the target reads no wider than the widest row needs), and the step takes its per-row
-  budgets from the plan's device copy (state.plan), never pricing them twice.
+  direct, whether its draft is checked as a tree), computed at the end of the step before and
+  read with its tokens: its maxima fix the host-known widths and review rounds of the next
+  step (none for a level no row uses; the target reads no wider than the widest row needs;
+  a tree only where some row wants one), and the step takes its per-row budgets from the
+  plan's device copy (state.plan), never pricing them twice.
 
 Tree at the top level (`tree=(b_1, b_2, ...)`): the target verifies the draft as the trunk of
 a token tree with b_d - 1 extra children at depth d: the most likely other tokens of the last
 neural review that scored that position with an all-accepted prefix. Such a child is a
 function of the prefix alone (a deterministic child of the tree rule): lossless at any
 temperature. After a branch wins, every drafter rolls back to where the path left the trunk.
+A row whose plan says no tree (Cascade.auto() chooses per row) has its siblings masked out; a
+step where no row wants one verifies a chain.
 
 Random numbers: a row's review r at drafter d draws from stream 1 + 1024 (d + 1) + r, r
 counted per row, so a row's tokens never depend on what else shares the batch. The seeds of
@@ -154,12 +157,14 @@ class Working:
     lag: int  # host bound on how far a drafter's cache trails the committed prefix at step start
     rounds: dict  # neural source index -> review rounds this step (the largest budget of an active row)
     width: int  # host bound on this step's draft (the widest active row's plan)
+    tree: bool  # host: some active row's draft is checked as a top-level tree
     alt: torch.Tensor | None = None  # [B, depths, top] tree candidates per depth, -1 unknown
     origin: torch.Tensor | None = None  # [B, max_width + 1] source index of each draft slot (when tracked), scratch last
 
 
 class CascadeDecoder(Decoder):
-    track_sources = False  # count the target's verdicts per top-level source (StepMetrics.source_*)
+    track_sources = False  # count the target's verdicts per top-level source (StepMetrics.source_*, sibling_*)
+    chooses_tree = False  # each row's plan says whether its draft is checked as a tree (else every row's is)
     reads_proposal = False  # budgets weigh MaG's proposal at the committed end (computed even without direct rows)
 
     def __init__(self, models: Models, plan: Level, lenience: float, mag_tokens: int, tree: tuple = (),
@@ -185,14 +190,20 @@ class CascadeDecoder(Decoder):
         self.tree = tree[:self.max_width]
         self.extra = sum(b - 1 for b in self.tree)  # tree nodes beside the trunk
         self.max_tokens_per_forward = self.max_width + 2 + self.extra
+        # per trunk depth d (index d - 1): the tree gives it siblings; False past the tree
+        self.sibling_at = torch.tensor([d < len(self.tree) and self.tree[d] > 1 for d in range(self.max_width + 1)],
+                                       device=models.device)
+        self.top_neural = torch.tensor([s.index for s in plan.sources if s.below is not None], dtype=torch.int64,
+                                       device=models.device)
         self.layouts = {w: self._tree_layout(w, models.device) for w in range(1, self.max_width + 1)} \
             if self.tree else {}
         self.scratch_slot = torch.tensor(self.max_width, device=models.device)  # work.q's and origin's last slot
         reviews = _reviews_per_step(plan)  # stream ids of each drafter's reviews 0, 1, ... in a step
         self.review_streams = {d: torch.arange(reviews, device=models.device) + 1 + 1024 * (d + 1) for d in self.neural}
         n, count = len(models.drafters), len(self.sources)
-        self.width_column = count  # in the plan's columns after the lags: budgets, width, caps, direct
-        self.key_columns = [True] * n + [s.below is not None for s in self.sources] + [True] + [False] * (count + 1)
+        self.width_column = count  # in the plan's columns after the lags: budgets, width, caps, direct, tree
+        self.key_columns = [True] * n + [s.below is not None for s in self.sources] + [True] + [False] * (count + 1) \
+            + [True]
         self._k_rows = {}  # batch size -> _k_tail's two constant rows
         self.review_seeds = {}  # neural drafter -> [B, reviews per step] each row's review seeds (start / admit)
 
@@ -211,20 +222,21 @@ class CascadeDecoder(Decoder):
 
     # -- the plan each step reads ---------------------------------------------------------------
     def plan(self, state: DecodeState) -> torch.Tensor:
-        """[B, drafters + 2 sources + 2]: per row, how far each drafter's cache trails the
+        """[B, drafters + 2 sources + 3]: per row, how far each drafter's cache trails the
         committed prefix (0 for MaG); its budget of each source (for a neural one also the
         review rounds enough for the row: a review adds at least one token; 0 when the row goes
         direct or drafts nothing); the widest draft it can fill (a direct row: MaG's proposal
         length; any other: the bound of its own budgets, below the plan's where Cascade.auto
         lowers a budget, so the target never reads the envelope's masked width); the most
         tokens one call of each MaG source adds to it (0 for a neural one); whether it goes
-        direct. The step reads the lags, neural budgets and width as host maxima (the graph
-        key, graph_columns), the rest on the device only (state.plan)."""
+        direct; whether its draft is checked as a tree. The step reads the lags, neural budgets,
+        width and tree as host maxima (the graph key, graph_columns), the rest on the device
+        only (state.plan)."""
         lag = [state.committed - d.cache.lengths if not isinstance(d, MaG) else torch.zeros_like(state.committed)
                for d in self.models.drafters]
         direct, ready = self._direct(state)
         if self.reads_proposal:  # budgets priced from what MaG holds now: computed every step
-            tail = self._tail(*self.budgets(state, direct, ready), direct, ready)
+            tail = self._tail(*self.plan_budgets(state, direct, ready), direct, ready)
         else:  # K's budgets depend on the row's direct flag alone: a selection (a few launches, not ~40)
             tail = self._k_tail(state, direct)  # not written to: with no direct rows, the constant itself
             if ready is not None:  # a direct row's width is its proposal's length
@@ -233,12 +245,15 @@ class CascadeDecoder(Decoder):
                 tail = torch.cat([tail[:, :w], width[:, None], tail[:, w + 1:]], 1)
         return torch.cat([torch.stack(lag, 1), tail], 1)
 
-    def _tail(self, budgets: list, caps: list, direct: torch.Tensor, ready: torch.Tensor | None) -> torch.Tensor:
-        """The plan's columns after the lags, from per-source budgets and caps (plan())."""
+    def _tail(self, budgets: list, caps: list, tree: torch.Tensor | None, direct: torch.Tensor,
+              ready: torch.Tensor | None) -> torch.Tensor:
+        """The plan's columns after the lags, from per-source budgets and caps and the rows that
+        want a tree (None: every row, if the cascade has one) (plan())."""
         width = draft_bound(self.levels, budgets, self.mag_tokens)
         width = width if ready is None else torch.where(direct, ready, width)
         caps = [torch.zeros_like(width) if cap is None else cap for cap in caps]
-        return torch.stack(budgets + [width] + caps + [direct.long()], 1)
+        tree = torch.full_like(width, int(bool(self.tree))) if tree is None else tree.long()
+        return torch.stack(budgets + [width] + caps + [direct.long(), tree], 1)
 
     def _k_tail(self, state: DecodeState, direct: torch.Tensor | None) -> torch.Tensor:
         """[B, plan columns after the lags] of K's budgets: a row that drafts by K, or a direct row
@@ -259,8 +274,8 @@ class CascadeDecoder(Decoder):
                     direct_budgets[s.index] = torch.ones_like(budgets[s.index])
                     direct_caps[s.index] = torch.full_like(caps[s.index], self.direct_tokens)
             no = torch.zeros_like(budgets[0], dtype=torch.bool)
-            self._k_rows[state.batch] = (self._tail(budgets, caps, no, None),
-                                         self._tail(direct_budgets, direct_caps, ~no, None))
+            self._k_rows[state.batch] = (self._tail(budgets, caps, None, no, None),
+                                         self._tail(direct_budgets, direct_caps, None, ~no, None))
         by_k, when_direct = self._k_rows[state.batch]
         return torch.where(direct[:, None], when_direct, by_k) if self.direct_match else by_k
 
@@ -296,6 +311,11 @@ class CascadeDecoder(Decoder):
         tail = self._k_tail(state, direct)
         return self._budget_columns(tail.t())
 
+    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
+        """(budgets, caps, the rows that want a tree; None: K's rule) for a plan that reads MaG's
+        proposal (reads_proposal)."""
+        return (*self.budgets(state, direct, ready), None)
+
     def _budget_columns(self, columns) -> tuple[list, list]:
         """(budgets, caps) per source from the plan's columns after the lags (rows of [C, B])."""
         caps = columns[self.width_column + 1:]
@@ -309,14 +329,16 @@ class CascadeDecoder(Decoder):
         length = self._draft(state, work, self.levels, work.base, state.active, grown=0)
         q = None if work.q is None else work.q[:, :work.width]
         draft = Draft(self._window(state, work.base, work.width), (length - work.base).clamp(max=work.width), q)
-        if self.tree:
+        if work.tree:
             out, trunk = self._verify_tree(state, work, draft)
         else:
             out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
         if work.origin is not None:  # direct rows' long matches are not what MaG's rate prices
-            direct = state.plan[-1] > 0
-            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, state.active & ~direct,
+            counted = state.active & (state.plan[-2] == 0)
+            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, counted,
                                          [s.index for s in self.levels.sources])
+            if work.tree:
+                self._record_siblings(state, work, draft, trunk, out, counted)
         roll_back_drafters(self.models.drafters, work.base + trunk)
         commit(state, out)
         return out
@@ -328,13 +350,14 @@ class CascadeDecoder(Decoder):
         n = len(self.models.drafters)
         rounds = {s.index: columns[n + s.index] for s in self.sources if s.below is not None}
         width = max(1, min(columns[n + self.width_column], self.max_width))
+        tree = bool(self.tree) and columns[-1] > 0
         # one slot more than the widest draft: the scratch slot of entries not written (_write)
         q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, device=dev)
-        alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if self.tree else None
+        alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
         seeds = None if state.all_greedy else self.review_seeds
         return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev), seeds,
-                       max(columns[:n]), rounds, width, alt, origin)
+                       max(columns[:n]), rounds, width, tree, alt, origin)
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
         """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
@@ -503,6 +526,8 @@ class CascadeDecoder(Decoder):
             # a depth no neural review scored (-1): a harmless duplicate of the trunk token
             tokens[:, sibling] = torch.where(pick >= 0, pick, draft.tokens[:, sibling_depth])
         real = shape.depth <= draft.length[:, None]
+        if self.chooses_tree and sibling.numel():  # a row whose plan wants no tree: its siblings are padding
+            real[:, sibling] &= (state.plan[-1] > 0)[:, None]
         tree = TreeShape(torch.where(real, shape.parents, PADDING), shape.mask.expand(b, -1, -1),
                          shape.depth.expand(b, -1), width)
         q = None
@@ -512,3 +537,13 @@ class CascadeDecoder(Decoder):
         out, path = verify_tree_and_commit(self.models, state, tokens, tree, q, drafted=draft.length)
         state.offset += self.max_width + 1 - width  # as the chain step: max_width + 2 counters in all
         return out, (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk
+
+    def _record_siblings(self, state, work: Working, draft: Draft, kept, out: StepOutput, counted) -> None:
+        """Count the tree rows' checks where the target rejected a top-level neural source's
+        trunk token that had siblings (`kept`: the trunk tokens it accepted before), and those
+        where it took a sibling instead (its path left the trunk: one token more)."""
+        at = kept.clamp(max=work.width - 1)  # the rejected trunk slot (where kept < length)
+        neural = (work.origin.gather(1, at[:, None]) == self.top_neural[None, :]).any(1)
+        checked = counted & (state.plan[-1] > 0) & (kept < draft.length) & self.sibling_at[at] & neural
+        state.metrics.sibling_checked.add_(checked)
+        state.metrics.sibling_accepted.add_(checked & (out.counts > kept + 1))

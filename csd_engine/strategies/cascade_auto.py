@@ -28,9 +28,23 @@ does not see that.
 With a = 0, MaG's top-level tokens are the ones it proposes now (g <= its proposal's length,
 known before the step): where MaG holds nothing, the model competes with plain decoding, not
 with MaG's hypothetical tokens, so a model whose rate was once underestimated is tried again.
-a = g = 0 is plain decoding. Nothing here is timed: a seeded request gives the same tokens
-whatever shares its batch and however often it runs. Rows with a long MaG match go direct
-(Cascade.direct_match, direct_tokens); their tokens do not count toward gamma.
+a = g = 0 is plain decoding.
+
+With `tree=(b_1, b_2, ...)` a row also chooses whether the target checks its draft as the trunk
+of that top-level tree (Cascade.tree: b_d - 1 siblings at depth d, the model's next most likely
+tokens there). A sibling is a leaf: where the target rejects the model's trunk token at a depth
+with siblings and takes one of them, the step emits one token more. So the tree adds
+
+    sigma (1 - alpha) (sum over depths d <= a with siblings of alpha^(d - 1))
+
+tokens for the width of its nodes up to the draft's depth a + g (siblings past the model's tokens
+duplicate MaG's and only cost): sigma is the row's counted share of such rejections where it took
+a sibling (StepMetrics.sibling_*, prior 0.5). Where a forward's width is nearly free (a GPU) the
+tree pays for a modest sigma; where it is not (the CPU curves), rarely.
+
+Nothing here is timed: a seeded request gives the same tokens whatever shares its batch and
+however often it runs. Rows with a long MaG match go direct (Cascade.direct_match,
+direct_tokens): their tokens do not count toward gamma, and they check no tree.
 """
 from dataclasses import dataclass
 
@@ -53,6 +67,7 @@ class AutoCascade:
     prior: float = 4.0  # drafts' worth of the prior acceptance rates
     prior_rate: float = 0.8  # the model's prior rate alpha (MaG's and the reviews' start at 0.5)
     model_cost: float | None = None  # the model's forward cost relative to the target's (default: budget.cost_ratio)
+    tree: tuple = ()  # the top-level tree a row may choose (candidates per depth, trunk included); (): never
 
     def __post_init__(self):
         for name in ("max_tokens", "mag_tokens", "direct_tokens"):
@@ -68,6 +83,11 @@ class AutoCascade:
             raise ValueError(f"width_cost must be >= 0 (relative to one target forward), got {self.width_cost!r}")
         if self.model_cost is not None and not self.model_cost > 0:
             raise ValueError(f"model_cost must be > 0 (relative to one target forward), got {self.model_cost!r}")
+        if not isinstance(self.tree, (tuple, list)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree):
+            raise ValueError(f"Cascade.auto(tree=...) must be a tuple of ints >= 1 (candidates per depth, trunk "
+                             f"token included, e.g. (3, 2)), got {self.tree!r}")
+        object.__setattr__(self, "tree", tuple(self.tree))
 
     def decoder(self, models: Models):
         require_one_device(models, "Cascade.auto()")
@@ -77,19 +97,25 @@ class AutoCascade:
                              f"'mag']; on the command line --drafter MODEL --drafter mag) or MaG alone (['mag']); "
                              f"this engine's drafters are {kinds}: add 'mag' last, or give an explicit "
                              "Cascade(k_matrix=...) (--k-matrix) for other cascades")
+        if self.tree and len(kinds) == 1:
+            raise ValueError("Cascade.auto(tree=...) needs a neural drafter: the siblings are its most likely "
+                             "other tokens (drafters=[model, 'mag'])")
+        if self.tree and max(self.tree) > models.target.vocab_size:
+            raise ValueError(f"Cascade.auto(tree={self.tree}) asks for more candidates than the vocabulary has tokens")
         a, m = self.max_tokens, self.mag_tokens
         k = ((a, m), (0, m)) if len(kinds) == 2 else ((m,),)
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
             cost = cost_ratio(models, 0)
-        costs = width_costs(models, self.width_cost, 1 + a + m)
-        return AutoCascadeDecoder(models, plan, float(self.lenience), m, (), self.direct_match, self.direct_tokens,
-                                  self, cost or 0.0, costs)
+        costs = width_costs(models, self.width_cost, 1 + a + m + sum(b - 1 for b in self.tree))
+        return AutoCascadeDecoder(models, plan, float(self.lenience), m, self.tree, self.direct_match,
+                                  self.direct_tokens, self, cost or 0.0, costs)
 
 
 class AutoCascadeDecoder(CascadeDecoder):
     track_sources = True  # alpha is the target's rate on the model's tokens alone
+    chooses_tree = True  # with a tree, each row's plan says whether it wants it
     reads_proposal = True  # with a = 0, g is at most what MaG proposes now
 
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
@@ -100,19 +126,36 @@ class AutoCascadeDecoder(CascadeDecoder):
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
         self.sub_mag_source = self.neural_source.below.sources[0] if self.neural_source else None
-        self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=models.device)
-        self.mag_grid = torch.arange(mag_tokens + 1, device=models.device)
+        dev = models.device
+        self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=dev)
+        self.mag_grid = torch.arange(mag_tokens + 1, device=dev)
         # the choice grid's constant terms, computed once (each a kernel launch per step on a GPU):
         a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
         c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
         self.a_float, self.no_model, self.one_plus_a = a.float(), a == 0, 1 + a
-        n = self.mag_grid.numel()  # the grid's flat index -> its (a, c, g): one gather per choice
-        flat = torch.arange(self.grid.numel() * n * n, device=models.device)
-        self.choices = torch.stack([self.grid[flat // (n * n)], self.mag_grid[flat // n % n], self.mag_grid[flat % n]], 1)
+        trees = 2 if self.tree else 1  # t = 0: a chain; t = 1: the tree
+        n, na = self.mag_grid.numel(), self.grid.numel()  # the grid's flat index -> its (t, a, c, g): a gather
+        flat = torch.arange(trees * na * n * n, device=dev)
+        self.choices = torch.stack([flat // (na * n * n), self.grid[flat // (n * n) % na], self.mag_grid[flat // n % n],
+                                    self.mag_grid[flat % n]], 1)
         self.review_cost = self.model_cost + width_costs[1 + c] - 1  # a review: the model's forward + the width increment
         self.reviews_too_many = c > (a - 1).clamp(min=0)  # the model reviews at most a - 1 MaG tokens
+        if self.tree:
+            # the tree's sibling nodes within a draft of w = a + g tokens, and per model budget a the
+            # depths d <= a with siblings (a row reaches depth d with probability alpha^(d - 1))
+            depths = torch.arange(1, len(self.tree) + 1, device=dev)
+            extra = torch.tensor(self.tree, device=dev) - 1
+            self.tree_nodes = torch.cat([extra.new_zeros(1), extra.cumsum(0)])[
+                torch.arange(na + n - 1, device=dev).clamp(max=len(self.tree))]
+            self.sibling_depths = ((depths[None, :] <= self.grid[:, None]) & (extra[None, :] > 0)).float()  # [A + 1, D]
+            self.depth_exponent = (depths - 1).float()
 
     def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
+        return self.plan_budgets(state, direct, ready)[:2]
+
+    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
+        """Each row's best (t, a, c, g) as budgets, caps and whether it wants the tree (None
+        without one)."""
         budgets, caps = super().budgets(state, direct)
         counts, top_mag = state.metrics, self.mag_source.index
         gamma = self._rate(counts.source_accepted[top_mag], counts.source_checked[top_mag])[:, None, None, None]
@@ -132,14 +175,24 @@ class AutoCascadeDecoder(CascadeDecoder):
         tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
         cost = self.width_costs[self.one_plus_a + g] + reviews * self.review_cost
         value = (tokens / cost).masked_fill(self.reviews_too_many, float("-inf"))  # [B, A + 1, M + 1, M + 1]
-        best = value.flatten(1).argmax(1)  # [B]: first best (fewest drafts) on ties
-        pick_a, pick_c, pick_g = self.choices[best].unbind(1)  # [B] each: the best choice's budgets
+        if self.tree:  # the same grid with the tree: its sibling tokens for its nodes' width
+            sigma = self._rate(counts.sibling_accepted, counts.sibling_checked)
+            rate = alpha[:, 0, 0, 0]
+            reach = rate[:, None] ** self.depth_exponent  # [B, D]: alpha^(d - 1)
+            gain = (sigma * (1 - rate))[:, None] * (reach @ self.sibling_depths.t())  # [B, A + 1]
+            nodes = self.tree_nodes[self.one_plus_a - 1 + g]
+            tree_cost = self.width_costs[self.one_plus_a + g + nodes] + reviews * self.review_cost
+            tree_value = ((tokens + gain[:, :, None, None]) / tree_cost).masked_fill(self.reviews_too_many,
+                                                                                      float("-inf"))
+            value = torch.stack([value, tree_value], 1)  # [B, 2, A + 1, M + 1, M + 1]
+        best = value.flatten(1).argmax(1)  # [B]: first best (no tree, fewest drafts) on ties
+        pick_t, pick_a, pick_c, pick_g = self.choices[best].unbind(1)  # [B] each: the best choice's budgets
         if self.neural_source is not None:
             budgets[self.neural_source.index] = torch.where(direct, budgets[self.neural_source.index], pick_a)
             caps[self.sub_mag_source.index] = pick_c
         budgets[top_mag] = torch.where(direct, budgets[top_mag], pick_g)
         caps[top_mag] = torch.where(direct, caps[top_mag], pick_g)
-        return budgets, caps
+        return budgets, caps, (pick_t > 0) & ~direct if self.tree else None
 
     def _rate(self, accepted: torch.Tensor, counted: torch.Tensor, prior_rate: float = 0.5) -> torch.Tensor:
         return counted_rate(accepted, counted, self.config.prior, prior_rate)

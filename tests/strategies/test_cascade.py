@@ -145,6 +145,78 @@ def test_auto_is_lossless(models):
                                  target, [4, 9, 4, 9], Cascade.auto(), temperature=1.0, draws=1500)
 
 
+def test_auto_tree_is_lossless_and_counts_the_siblings_the_target_takes(models, monkeypatch):
+    """Cascade.auto(tree=...) emits plain greedy decoding's tokens on a ragged batch; its rows
+    check trees (width is cheap here) and the target takes some siblings where it rejected the
+    model's trunk token: the counts sigma is priced from. A row that wants no tree in a tree
+    step (here: a direct row, whose draft is MaG's) has its siblings masked, its trunk kept."""
+    import csd_engine.strategies.cascade as cascade
+    from csd_engine.ops import PADDING
+    target = models[0]
+    near = perturbed(target, noise=0.1, seed=34)  # accepted often enough to draft; its second choice often right
+    seen, trees = {}, []
+    record, verify = cascade.CascadeDecoder._record_siblings, cascade.verify_tree_and_commit
+
+    def spy_record(self, state, *args):
+        record(self, state, *args)
+        seen["metrics"] = state.metrics
+
+    def spy_verify(models, state, tokens, tree, *args, drafted=None):
+        trees.append((tree.parents.clone(), tree.depth[0].clone(), drafted.clone(), state.plan[-1].clone(),
+                      state.active.clone()))
+        return verify(models, state, tokens, tree, *args, drafted=drafted)
+
+    monkeypatch.setattr(cascade.CascadeDecoder, "_record_siblings", spy_record)
+    monkeypatch.setattr(cascade, "verify_tree_and_commit", spy_verify)
+    engine = Engine(target, drafters=[near, "mag"], max_batch_size=3, max_seq_len=160, verify_backend="torch")
+    prompts = random_prompts(3, lo=2, hi=10, seed=int(torch.randint(0, 10**6, (1,))))
+    prompts[1] = prompts[1][:2] * 6  # MaG's long matches: the row goes direct
+    strategy = Cascade.auto(max_tokens=4, model_cost=0.05, tree=(3, 2))
+    assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=60)
+    checked, taken = int(seen["metrics"].sibling_checked.sum()), int(seen["metrics"].sibling_accepted.sum())
+    assert 0 < taken < checked, (taken, checked)  # some rejected trunk tokens had no sibling the target took
+    mixed = 0
+    for parents, depth, drafted, wants, active in trees:
+        sibling = torch.cat([torch.tensor([False]), depth[1:] == depth[:-1]])  # after its depth's trunk node
+        inside = (depth[None, :] <= drafted[:, None]) & (depth[None, :] > 0)
+        assert (parents[inside & ~sibling] >= 0).all()  # every row's trunk is checked
+        assert (parents[inside & sibling & (wants > 0)[:, None]] >= 0).all()
+        assert (parents[sibling & (wants == 0)[:, None]] == PADDING).all()
+        mixed += bool(((wants > 0) & active).any() and ((wants == 0) & active & (drafted > 0)).any())
+    assert mixed > 0, "no tree step held a row that wanted none"
+
+
+def test_auto_chooses_the_tree_where_its_siblings_pay(models):
+    """A row checks its draft as the tree where the target took its siblings (sigma 0.9) and
+    width is cheap; not where it never took one, nor where each node costs 0.5 of a forward,
+    nor when it goes direct (its draft is MaG's). The plan carries the choice in its last column."""
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
+    wants = {}
+    for width in (0.02, 0.5):
+        decoder = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width, tree=(3, 2)).decoder(
+            engine._decoder_models())
+        state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
+                                pending=torch.zeros(2, dtype=torch.int64))
+        model = decoder.neural_source.index
+        state.metrics.source_accepted[model] = torch.tensor([700, 700])  # the model's tokens: alpha 0.7
+        state.metrics.source_checked[model] = torch.tensor([1000, 1000])
+        state.metrics.sibling_accepted[:] = torch.tensor([900, 0])
+        state.metrics.sibling_checked[:] = torch.tensor([1000, 1000])
+        for direct in (False, True):
+            budgets, _, tree = decoder.plan_budgets(state, torch.tensor([direct, False]))
+            wants[width, direct] = tree.tolist()
+            assert budgets[model][1] > 0  # the row without siblings still drafts with the model
+    assert wants == {(0.02, False): [True, False], (0.02, True): [False, False],
+                     (0.5, False): [False, False], (0.5, True): [False, False]}, wants
+    with pytest.raises(ValueError, match=r"Cascade.auto\(tree=...\) needs a neural drafter"):
+        Engine(target, drafters=["mag"], max_batch_size=1, max_seq_len=32).generate(
+            [[1, 2]], SamplingParams(max_new_tokens=2), strategy=Cascade.auto(tree=(3, 2)))
+    with pytest.raises(ValueError, match=r"tree=...\) must be a tuple of ints >= 1"):
+        Cascade.auto(tree=(3, 0))
+
+
 def test_auto_counts_no_direct_row_toward_mag_rate(models, monkeypatch):
     """gamma prices MaG's top-level tokens in steps that are not direct: a direct row's long
     verbatim match is left out of the per-source counts (record_sources sees it inactive)."""
@@ -334,7 +406,8 @@ def test_the_plan_selected_from_k_rows_equals_the_plan_computed(models, direct_m
             budgets[0][0], budgets[2][0], caps[2][0] = 0, 1, 6
         width = draft_bound(decoder.levels, budgets, decoder.mag_tokens)
         width = width if ready is None else torch.where(direct, ready, width)
-        computed = torch.stack(lag + budgets + [width] + caps + [direct.long()], 1)
+        no_tree = torch.zeros(2, dtype=torch.int64)  # K's cascade without a tree: no row checks one
+        computed = torch.stack(lag + budgets + [width] + caps + [direct.long(), no_tree], 1)
         assert torch.equal(decoder.plan(state), computed)
     assert direct.tolist() == ([True, False] if direct_match else [False, False])
 

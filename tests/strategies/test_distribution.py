@@ -43,6 +43,7 @@ CASES = {  # name -> (drafters, strategy, temperature, top_k, top_p)
     "cascade-tree-l2": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2, tree=(3, 2)),
                         1.0, 0, 1.0),
     "cascade-auto": (("d1", "mag"), Cascade.auto(), 1.0, 0, 1.0),
+    "cascade-auto-tree-t0.7": (("d1", "mag"), Cascade.auto(tree=(3, 2)), 0.7, 0, 1.0),
     # every MaG match goes direct: the target verifies MaG's 4-token copy (wider than K's plan) alone
     "cascade-direct-l2": (("d1", "mag"), Cascade(k_matrix=[[1, 1], [0, 1]], lenience=2, mag_tokens=1,
                                                  direct_match=1, direct_tokens=4), 1.0, 0, 1.0),

@@ -46,6 +46,7 @@ STRATEGIES = {
     "cascade-direct": (("d1", "mag"), Cascade(k_matrix=[[2, 3], [0, 2]], lenience=2, mag_tokens=1, direct_match=3,
                                               direct_tokens=6)),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
+    "cascade-auto-tree": (("d1", "mag"), Cascade.auto(tree=(3, 2))),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
     "pearl": (("d1",), Pearl(gamma=3, overlap=True)),
 }

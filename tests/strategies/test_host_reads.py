@@ -88,6 +88,7 @@ STRATEGIES = {
     "cascade3": (("d1", "d2", "mag"), Cascade(k_matrix=[[2, 1, 1], [0, 2, 1], [0, 0, 2]], lenience=2, mag_tokens=2)),
     "cascade-tree": (("d1", "mag"), Cascade(k_matrix=[[2, 1], [0, 2]], mag_tokens=2, tree=(3, 2))),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
+    "cascade-auto-tree": (("d1", "mag"), Cascade.auto(tree=(3, 2))),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
     "pearl": (("d1",), Pearl(gamma=3, overlap=True)),
 }

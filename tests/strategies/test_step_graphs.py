@@ -23,6 +23,7 @@ STRATEGIES = {
     "cascade-direct": (("d1", "mag"), Cascade(k_matrix=[[2, 3], [0, 2]], lenience=2, mag_tokens=1, direct_match=3,
                                               direct_tokens=6)),
     "cascade-auto": (("d1", "mag"), Cascade.auto()),
+    "cascade-auto-tree": (("d1", "mag"), Cascade.auto(tree=(3, 2))),
     "staged": (("d1", "mag"), Staged(branching=(2, 2, 1), mag_tokens=2)),
 }
 SETTINGS = {"greedy": dict(), "top-k-top-p": dict(temperature=0.9, top_k=8, top_p=0.9, seed=5)}
