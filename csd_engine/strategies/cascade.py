@@ -333,12 +333,8 @@ class CascadeDecoder(Decoder):
             out, trunk = self._verify_tree(state, work, draft)
         else:
             out, trunk = verify_chain(self.models, state, draft, counters=self.max_width + 2)
-        if work.origin is not None:  # direct rows' long matches are not what MaG's rate prices
-            counted = state.active & (state.plan[-2] == 0)
-            state.metrics.record_sources(work.origin[:, :work.width], draft.length, trunk, counted,
-                                         [s.index for s in self.levels.sources])
-            if work.tree:
-                self._record_siblings(state, work, draft, trunk, out, counted)
+        if work.origin is not None:  # the counts Cascade.auto() prices from
+            self._record_verdicts(state, work, budgets, draft, trunk, out)
         roll_back_drafters(self.models.drafters, work.base + trunk)
         commit(state, out)
         return out
@@ -537,6 +533,25 @@ class CascadeDecoder(Decoder):
         out, path = verify_tree_and_commit(self.models, state, tokens, tree, q, drafted=draft.length)
         state.offset += self.max_width + 1 - width  # as the chain step: max_width + 2 counters in all
         return out, (path == trunk[None, :]).long().cumprod(1).sum(1)  # accepted nodes before leaving the trunk
+
+    def _record_verdicts(self, state, work: Working, budgets, draft: Draft, kept, out: StepOutput) -> None:
+        """The target's verdicts per top-level source (StepMetrics.source_*) for rows that did not
+        go direct (a long verbatim match is not what MaG's rate prices), `kept` draft tokens
+        accepted. Where the target reads the plan's whole width (no trim: a GPU), a top-level MaG
+        token a row asked for and MaG did not propose cost its slot and yielded nothing: where the
+        target took the whole draft and it fell short of the row's top-level budgets, MaG counts
+        one token checked, not accepted (its rate then prices the slots asked for, which is what
+        that width buys). Then a tree's siblings (_record_siblings)."""
+        counted = state.active & (state.plan[-2] == 0)
+        top = self.levels.sources
+        state.metrics.record_sources(work.origin[:, :work.width], draft.length, kept, counted, [s.index for s in top])
+        if not self.models.trim_drafts:
+            short = counted & (kept == draft.length) & (draft.length < sum(budgets[s.index] for s in top))
+            for s in top:
+                if s.below is None:
+                    state.metrics.source_checked[s.index].add_(short & (budgets[s.index] > 0))
+        if work.tree:
+            self._record_siblings(state, work, draft, kept, out, counted)
 
     def _record_siblings(self, state, work: Working, draft: Draft, kept, out: StepOutput, counted) -> None:
         """Count the tree rows' checks where the target rejected a top-level neural source's

@@ -12,7 +12,8 @@ maximise its expected tokens per cost:
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
-assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*), beta: the share of
+assumes), gamma: the same for MaG's top-level tokens (StepMetrics.source_*; where the target reads
+the plan's whole width, a GPU, a slot asked for and left empty counts as a miss), beta: the share of
 MaG tokens the model accepted in its reviews, all counted in this generate call with a prior worth
 `prior` drafts: `prior_rate` for alpha (0.8, optimistic as in Speculative.auto: a row learns alpha
 only by drafting, so a pessimistic start stops it for good after a few misses), 0.5 for gamma and

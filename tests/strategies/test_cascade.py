@@ -186,6 +186,38 @@ def test_auto_tree_is_lossless_and_counts_the_siblings_the_target_takes(models, 
     assert mixed > 0, "no tree step held a row that wanted none"
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_auto_counts_mag_slots_it_left_empty_where_the_target_reads_them(models, trim):
+    """Cascade.auto()'s verdict counts, three rows asking 2 model and 3 top-level MaG tokens: MaG
+    proposed none and the target took both model tokens (row 0), proposed all 3 and the target took
+    all 5 (row 1), proposed none and the target rejected a model token (row 2). Where the target
+    reads the plan's whole width (no trim: a GPU) row 0's empty slots cost width for nothing: one MaG
+    token checked, not accepted. Where drafts are trimmed (the CPU) they cost nothing and count nothing."""
+    import dataclasses
+
+    from csd_engine.strategies.base import Draft, StepMetrics
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=32)
+    decoder = Cascade.auto().decoder(dataclasses.replace(engine._decoder_models(), trim_drafts=trim))
+    model, sub, mag = decoder.neural_source.index, decoder.sub_mag_source.index, decoder.mag_source.index
+    budgets = [None] * len(decoder.sources)
+    budgets[model], budgets[sub], budgets[mag] = torch.tensor([2, 2, 2]), torch.zeros(3, dtype=torch.int64), \
+        torch.tensor([3, 3, 3])
+    origin = torch.full((3, 6), -1)
+    origin[:, :2] = model
+    origin[1, 2:5] = mag
+    plan = torch.zeros(3, 3, dtype=torch.int64)  # only its last two columns are read: not direct, no tree
+    state = SimpleNamespace(metrics=StepMetrics.zeros(3, "cpu", levels=3, sources=len(decoder.sources)),
+                            active=torch.ones(3, dtype=torch.bool), plan=plan.t())
+    work = SimpleNamespace(origin=origin, width=5, tree=False)
+    draft = Draft(torch.zeros(3, 5, dtype=torch.int64), torch.tensor([2, 5, 2]))
+    decoder._record_verdicts(state, work, budgets, draft, torch.tensor([2, 5, 1]), None)
+    assert state.metrics.source_accepted[mag].tolist() == [0, 3, 0]
+    assert state.metrics.source_checked[mag].tolist() == ([0, 3, 0] if trim else [1, 3, 0])
+    assert state.metrics.source_accepted[model].tolist() == [2, 2, 1]
+    assert state.metrics.source_checked[model].tolist() == [2, 2, 2]
+
+
 def test_auto_chooses_the_tree_where_its_siblings_pay(models):
     """A row checks its draft as the tree where the target took its siblings (sigma 0.9) and
     width is cheap; not where it never took one, nor where each node costs 0.5 of a forward,
