@@ -118,10 +118,9 @@ def k_cascade(scheme: str | None = None, tree: bool = False):
 
 def self_tuning(strategy, scheme: str | None = None, tree: bool = False):
     """Factory of `strategy`.auto(model_cost=--model-cost[, tree=--tree]) over [0.5B (`scheme`), MaG]."""
-    if tree:
-        return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(
-            model_cost=a.model_cost, tree=tuple(json.loads(a.tree)))), "cost", "tree")
-    return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(model_cost=a.model_cost)), "cost")
+    return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(
+        model_cost=a.model_cost, **({"tree": tuple(json.loads(a.tree))} if tree else {}))),
+        "cost", *(("tree",) if tree else ()))
 
 
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))

@@ -150,8 +150,8 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--lenience", type=float, default=None, help="cascade: lenience >= 1 (default 1)")
     g.add_argument("--mag-tokens", type=int, default=None,
                    help=f"cascade / staged: tokens MaG proposes per call (default {CLI_CASCADE_MAG_TOKENS} / 0)")
-    g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]' (Cascade.auto(): the "
-                        "tree each row may choose)")
+    g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]' "
+                                                "(Cascade.auto(): the tree each row may choose)")
     g.add_argument("--branching", default=None, help="staged: children per depth as JSON, e.g. '[4,2,1,1]'")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default=None)

@@ -86,6 +86,25 @@ def _validate_k_matrix(rows, n_drafters: int, is_mag: list[bool]) -> tuple[tuple
     return tuple(tuple(r) for r in rows)
 
 
+def checked_tree(tree, name: str) -> tuple:
+    """A top-level tree's candidates per depth as a tuple; `name` says whose (in the error)."""
+    if not isinstance(tree, (tuple, list)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                                      for b in tree):
+        raise ValueError(f"{name} must be a tuple of ints >= 1 (candidates per depth, trunk token included, "
+                         f"e.g. (3, 2)), got {tree!r}")
+    return tuple(tree)
+
+
+def check_tree_fits(tree: tuple, name: str, models: Models, neural: bool) -> None:
+    """A top-level tree needs a neural drafter (its siblings are a neural review's most likely
+    tokens) and no more candidates than the vocabulary has tokens."""
+    if tree and not neural:
+        raise ValueError(f"{name} needs a neural drafter: the extra children are a neural review's most likely "
+                         "tokens (MaG proposes one token per position)")
+    if tree and max(tree) > models.target.vocab_size:
+        raise ValueError(f"{name}={tree} asks for more candidates than the vocabulary has tokens")
+
+
 @dataclass(frozen=True)
 class Cascade:
     """k_matrix: n x n for the engine's n drafters (largest first, optionally ending in MaG).
@@ -116,11 +135,7 @@ class Cascade:
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")
         _check_k_entries(rows)
         object.__setattr__(self, "k_matrix", tuple(tuple(r) for r in rows))
-        if not isinstance(self.tree, (tuple, list)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree):
-            raise ValueError(f"Cascade.tree must be a tuple of ints >= 1 (candidates per depth, trunk token "
-                             f"included, e.g. (3, 2)), got {self.tree!r}")
-        object.__setattr__(self, "tree", tuple(self.tree))
+        object.__setattr__(self, "tree", checked_tree(self.tree, "Cascade.tree"))
 
     @staticmethod
     def auto(**kwargs):
@@ -135,11 +150,7 @@ class Cascade:
         require_one_device(models, "Cascade")
         is_mag = [isinstance(d, MaG) for d in models.drafters]
         k = _validate_k_matrix(self.k_matrix, len(models.drafters), is_mag)
-        if self.tree and all(is_mag):
-            raise ValueError("Cascade.tree needs a neural drafter: the extra children are a neural review's "
-                             "most likely tokens (MaG proposes one token per position)")
-        if self.tree and max(self.tree) > models.target.vocab_size:
-            raise ValueError(f"Cascade.tree={self.tree} asks for more candidates than the vocabulary has tokens")
+        check_tree_fits(self.tree, "Cascade.tree", models, neural=not all(is_mag))
         return CascadeDecoder(models, compile_plan(k, is_mag, self.mag_tokens), float(self.lenience),
                               self.mag_tokens, self.tree, self.direct_match, self.direct_tokens)
 

@@ -54,7 +54,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
 from csd_engine.strategies.budget import cost_ratio, counted_rate, geometric, width_costs
-from csd_engine.strategies.cascade import CascadeDecoder, compile_plan
+from csd_engine.strategies.cascade import CascadeDecoder, check_tree_fits, checked_tree, compile_plan
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,7 @@ class AutoCascade:
             raise ValueError(f"width_cost must be >= 0 (relative to one target forward), got {self.width_cost!r}")
         if self.model_cost is not None and not self.model_cost > 0:
             raise ValueError(f"model_cost must be > 0 (relative to one target forward), got {self.model_cost!r}")
-        if not isinstance(self.tree, (tuple, list)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree):
-            raise ValueError(f"Cascade.auto(tree=...) must be a tuple of ints >= 1 (candidates per depth, trunk "
-                             f"token included, e.g. (3, 2)), got {self.tree!r}")
-        object.__setattr__(self, "tree", tuple(self.tree))
+        object.__setattr__(self, "tree", checked_tree(self.tree, "Cascade.auto(tree=...)"))
 
     def decoder(self, models: Models):
         require_one_device(models, "Cascade.auto()")
@@ -98,11 +94,7 @@ class AutoCascade:
                              f"'mag']; on the command line --drafter MODEL --drafter mag) or MaG alone (['mag']); "
                              f"this engine's drafters are {kinds}: add 'mag' last, or give an explicit "
                              "Cascade(k_matrix=...) (--k-matrix) for other cascades")
-        if self.tree and len(kinds) == 1:
-            raise ValueError("Cascade.auto(tree=...) needs a neural drafter: the siblings are its most likely "
-                             "other tokens (drafters=[model, 'mag'])")
-        if self.tree and max(self.tree) > models.target.vocab_size:
-            raise ValueError(f"Cascade.auto(tree={self.tree}) asks for more candidates than the vocabulary has tokens")
+        check_tree_fits(self.tree, "Cascade.auto(tree=...)", models, neural=len(kinds) == 2)
         a, m = self.max_tokens, self.mag_tokens
         k = ((a, m), (0, m)) if len(kinds) == 2 else ((m,),)
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)

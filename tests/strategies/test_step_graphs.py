@@ -37,11 +37,16 @@ def models():
     return {"target": target, "d1": perturbed(target, noise=0.2, seed=72), "d2": perturbed(target, noise=0.5, seed=73)}
 
 
-def emulated(monkeypatch, captures: list, capture_type=EmulatedCapture) -> None:
-    """Schedulers replay their steps from emulated graphs (as cuda_graphs='step' on a GPU)."""
-    # graphs replay fixed shapes: no CPU-only trim of the target's width (Engine.trim_drafts)
+def device_path(monkeypatch) -> None:
+    """Engines decode on the device path: no CPU-only trim of the target's width (Engine.trim_drafts)."""
     models = Engine._decoder_models
     monkeypatch.setattr(Engine, "_decoder_models", lambda self: dataclasses.replace(models(self), trim_drafts=False))
+
+
+def emulated(monkeypatch, captures: list, capture_type=EmulatedCapture) -> None:
+    """Schedulers replay their steps from emulated graphs (as cuda_graphs='step' on a GPU), which
+    replay fixed shapes: the device path."""
+    device_path(monkeypatch)
 
     def step_graphs(scheduler):
         capture = capture_type()
@@ -70,10 +75,9 @@ def test_replayed_steps_equal_eager_steps(models, name, setting, monkeypatch):
     prompts[0] = (prompts[0][:3] * 5)[:12]  # MaG matches
     # Cascade.auto's budgets move with its counts: its keys repeat only in longer runs
     params = SamplingParams(**SETTINGS[setting], max_new_tokens=40 if name == "cascade-auto" else 14)
-    # eager on the device path too (no CPU trim): Cascade.auto() counts the empty MaG slots a GPU's
-    # untrimmed forward pays for, so its drafts follow the path
-    models_of = Engine._decoder_models
-    monkeypatch.setattr(Engine, "_decoder_models", lambda self: dataclasses.replace(models_of(self), trim_drafts=False))
+    # eager on the device path too: Cascade.auto() counts the empty MaG slots an untrimmed forward
+    # pays for, so its drafts follow the path
+    device_path(monkeypatch)
     eager = run(engine, strategy, prompts, params, rows=2)
     captures = []
     emulated(monkeypatch, captures)
