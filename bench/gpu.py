@@ -6,6 +6,7 @@
    sampling (T = 1, deterministic drafts);
 3. attention (kernels/attention.py `cache_attention`) against the native runner's SDPA path
    (cache sliced to the bound + boolean mask) for contexts 512..8192, batch 1 and 8, n = 1 and 5;
+   MaG's proposal kernel (kernels/mag.py) at the same batches and contexts (section `mag`);
 4. autoregressive tokens/s of a Llama-2-7B-shaped model with random bf16 weights, batch 1: the
    engine (SDPA, Triton attention, CUDA graphs) against the weight-bandwidth floor and
    transformers' generate with a static cache (eager);
@@ -54,6 +55,7 @@ from bench.common import Stopwatch, instrumented, print_table, sync, wall_s  # n
 from bench.harness import progress  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.kernels.attention import cache_attention  # noqa: E402
+from csd_engine.kernels.mag import mag_propose  # noqa: E402
 from csd_engine.kernels.verify import verify  # noqa: E402
 from csd_engine.models.graphs import GraphedRunner  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
@@ -176,6 +178,25 @@ def bench_attention(sizes: Sizes, device: torch.device, copy_gb_per_s: float) ->
                                  of_copy=kv_bytes / triton_graph_ms / 1e6 / copy_gb_per_s, max_abs_diff=error))
                 progress(f"attention B={batch} n={n} ctx={context}: triton {triton_ms * 1e3:.1f} us, "
                          f"sdpa {sdpa_ms * 1e3:.1f} us")
+    return rows
+
+
+# -- 3b. MaG's proposal kernel --------------------------------------------------------------------
+def bench_mag(sizes: Sizes, device: torch.device) -> list[dict]:
+    """One MaG proposal (kernels/mag.py, the default MaG: matches up to 32 tokens, no bigram table)
+    over a buffer of random tokens `context` long with a repeated tail, so the search runs to the
+    end and finds a match: what each of a cascade step's MaG calls costs the GPU."""
+    rows = []
+    for batch in sizes.attention_batches:
+        for context in sizes.contexts:
+            tokens = torch.randint(0, sizes.model["vocab_size"], (batch, context + 64), device=device)
+            tokens[:, context - 8:context] = tokens[:, 100 % context:100 % context + 8]  # a match
+            end = torch.full((batch,), context, dtype=torch.int64, device=device)
+            for m in (4, 16):
+                call = lambda: mag_propose(tokens, end, end, m, context, None, None, 1, 32, 0.5, True, 1)  # noqa: E731
+                ms, replay_ms = time_ms(call, device), graph_ms(call, device)
+                rows.append(dict(batch=batch, context=context, m=m, us=ms * 1e3, graph_us=replay_ms * 1e3))
+            progress(f"MaG B={batch} ctx={context}: " + " / ".join(f"{r['graph_us']:.1f}" for r in rows[-2:]) + " us")
     return rows
 
 
@@ -696,7 +717,7 @@ def print_section(title: str, result, columns) -> None:
     print_table(rows, columns)
 
 
-SECTIONS = ("verify", "attention", "autoregressive", "step_split", "step_profile", "forward_profile", "quantized_drafter",
+SECTIONS = ("verify", "attention", "mag", "autoregressive", "step_split", "step_profile", "forward_profile", "quantized_drafter",
             "batch_invariance", "pearl", "transformers_compiled")
 
 
@@ -752,6 +773,13 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("triton_graph_us", "triton graph us", ".1f"), ("sdpa_graph_us", "sdpa graph us", ".1f"),
                        ("graph_speedup", "graph speedup", ".2f"), ("triton_gb_per_s", "triton GB/s", ".0f"),
                        ("of_copy", "of copy", ".2f"), ("max_abs_diff", "max diff", ".1e")])
+
+    if "mag" in wanted:
+        mag_rows = report.run("mag_kernel", lambda: bench_mag(sizes, device))
+        print_section("MaG's proposal kernel (max_match 32, one match per row): 'us' launched from Python, "
+                      "'graph us' replayed from a CUDA graph (what a step graph pays per MaG call)", mag_rows,
+                      [("batch", "B", "d"), ("context", "context", "d"), ("m", "m", "d"), ("us", "us", ".1f"),
+                       ("graph_us", "graph us", ".1f")])
 
     models = Models(sizes, device, args.residual_scale, fused=not args.unfused)
     shape = "tiny" if args.dry_run else "Llama-2-7B"

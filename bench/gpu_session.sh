@@ -51,7 +51,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "[gpu_session] gpu tests done at $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = open ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections step_split,step_profile \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections mag,step_split,step_profile \
       2>&1 | tee "$OUT/gpu.log" | grep -v '^\['
   left=$(( ${SESSION_S:-420} - ($(date +%s) - start) ))
   [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \

@@ -9,9 +9,12 @@ pad the proposal with its last real token (the query's last where nothing was pr
 Why a kernel: the reference is ~3 tensor ops per compared suffix length plus ~8 per bigram
 column, ~100-200 launches per call; a cascade step proposes with MaG several times, and on an
 H100 those launches cost ~30 ms of host time per step (bench/gpu.py's step split, 2026-11-24).
-One program per row walks the searched positions in blocks of BLOCK; everything depends on the
-shapes and host ints only, so a call can be captured in a CUDA graph. Ties between equally long
-matches go to the leftmost occurrence (the spec's) or the rightmost, as in the reference.
+One program per row walks the searched positions in tiles of POSITIONS buffer positions x the
+query's last max_match tokens: each tile is one load and a min-reduction (a match ending at p is
+as long as its first mismatch), not max_match dependent loads, which keeps a batch-1 call short
+where the GPU waits on it inside a step. Everything depends on the shapes and host ints only, so
+a call can be captured in a CUDA graph. Ties between equally long matches go to the leftmost
+occurrence (the spec's) or the rightmost, as in the reference.
 """
 import functools
 
@@ -21,53 +24,60 @@ import triton.language as tl
 
 TOKEN_PAD = -1  # stands before the buffer: no query token equals it
 QUERY_PAD = -2  # stands before the query: no buffer token equals it
-BLOCK = 128  # searched positions per iteration of a row's program
+BLOCK = 128  # searched positions per tile at most (fewer where max_match > 32: see block_positions)
+TILE = 4096  # positions x compared tokens per tile: 32 int64 per thread at 4 warps
 _TOKEN_PAD, _QUERY_PAD = tl.constexpr(TOKEN_PAD), tl.constexpr(QUERY_PAD)  # as the kernels see them
-
-
-@triton.jit
-def _proposal_token(tokens_row, proposal, cols, position, end, capacity):
-    """Token at `position` of query + proposal (QUERY_PAD before the start)."""
-    from_tokens = tl.load(tokens_row + tl.minimum(tl.maximum(position, 0), capacity - 1))
-    from_proposal = tl.sum(tl.where(cols == position - end, proposal, 0), axis=0)
-    return tl.where(position < 0, _QUERY_PAD, tl.where(position < end, from_tokens, from_proposal))
 
 
 @triton.jit(do_not_specialize=["bound"])  # bound grows every step: one compiled variant for all
 def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigram_prob_ptr,
                 out_tokens_ptr, out_length_ptr, out_match_ptr, cap_ptr, rows_ptr, goal_ptr, out_end_ptr,
                 capacity, bound, vocab, min_bigram_prob, min_match,
-                M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, COPY_PASSES: tl.constexpr,
-                LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, APPEND: tl.constexpr, BLOCK: tl.constexpr):
+                M: tl.constexpr, M_BLOCK: tl.constexpr, MAX_MATCH: tl.constexpr, MATCH_BLOCK: tl.constexpr,
+                COPY_PASSES: tl.constexpr, LEFTMOST: tl.constexpr, HAS_BIGRAM: tl.constexpr, APPEND: tl.constexpr,
+                POSITIONS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tokens_row = tokens_ptr + row * stride_t
+    scratch = out_tokens_ptr + row * M  # the proposal so far, where a later pass's query reads it
     end = tl.minimum(tl.maximum(tl.load(end_ptr + row), 0), capacity)
     history_end = tl.minimum(tl.maximum(tl.load(history_end_ptr + row), 0), end)
     space = tl.minimum(tl.maximum(history_end - 1, 0), bound)  # searched positions: p < space
     cols = tl.arange(0, M_BLOCK).to(tl.int64)
+    backs = tl.arange(0, MATCH_BLOCK).to(tl.int64)  # j: the j-th token from the query's end
+    compared = backs < MAX_MATCH
     proposal = tl.zeros([M_BLOCK], dtype=tl.int64)
     count = end * 0  # tokens proposed so far (an int64 scalar)
     match = end * 0
     for search in tl.static_range(COPY_PASSES):
+        # the query's last MAX_MATCH tokens (query + proposal so far), QUERY_PAD before its start
+        at = end + count - 1 - backs
+        want = tl.load(tokens_row + tl.minimum(tl.maximum(at, 0), capacity - 1), mask=compared & (at < end),
+                       other=_QUERY_PAD)
+        if search > 0:
+            tl.store(scratch + cols, proposal, mask=cols < M)
+            tl.debug_barrier()
+            want = tl.where(at >= end, tl.load(scratch + (at - end), mask=compared & (at >= end), other=0), want)
+        want = tl.where(at < 0, _QUERY_PAD, want)
         best_length = count * 0
         best_position = count * 0
-        for start in range(0, bound, BLOCK):
-            p = start + tl.arange(0, BLOCK).to(tl.int64)
-            running = p < space
-            length = tl.zeros([BLOCK], dtype=tl.int64)
-            for back in tl.static_range(MAX_MATCH):
-                want = _proposal_token(tokens_row, proposal, cols, end + count - 1 - back, end, capacity)
-                have = tl.load(tokens_row + p - back, mask=running & (p >= back), other=_TOKEN_PAD)
-                running = running & (have == want)
-                length += running.to(tl.int64)
+        for start in range(0, bound, POSITIONS):
+            # one tile [POSITIONS, MATCH_BLOCK]: the buffer tokens at p - j against the query's j-th
+            # from the end; a match ending at p is as long as its first mismatch's j
+            p = start + tl.arange(0, POSITIONS).to(tl.int64)
+            searched = p < space
+            behind = p[:, None] - backs[None, :]
+            have = tl.load(tokens_row + tl.maximum(behind, 0), mask=searched[:, None] & compared[None, :] & (behind >= 0),
+                           other=_TOKEN_PAD)
+            stop = tl.where(have == want[None, :], MAX_MATCH, backs[None, :])  # columns past MAX_MATCH: >= it
+            length = tl.where(searched, tl.min(stop, axis=1), 0)
             block_best = tl.max(length, axis=0)
             if LEFTMOST:
-                at = tl.min(tl.where(length == block_best, p, capacity + BLOCK), axis=0)
+                at_best = tl.min(tl.where(length == block_best, p, capacity + POSITIONS), axis=0)
                 better = block_best > best_length
             else:
-                at = tl.max(tl.where(length == block_best, p, -1), axis=0)
+                at_best = tl.max(tl.where(length == block_best, p, -1), axis=0)
                 better = block_best >= best_length
-            best_position = tl.where(better, at, best_position)
+            best_position = tl.where(better, at_best, best_position)
             best_length = tl.where(better, block_best, best_length)
         found = (best_length >= min_match) & (count < M)
         copied = tl.where(found, tl.minimum(M - count, history_end - 1 - best_position), 0)
@@ -105,6 +115,11 @@ def _mag_kernel(tokens_ptr, stride_t, end_ptr, history_end_ptr, bigram_ptr, bigr
         slot = end + cols
         tl.store(tokens_row + slot, proposal, mask=(cols < keep) & (slot < capacity))
         tl.store(out_end_ptr + row, end + keep)
+
+
+def block_positions(max_match: int) -> int:
+    """Searched positions per tile for matches of up to `max_match` tokens."""
+    return max(16, min(BLOCK, TILE // triton.next_power_of_2(max_match)))
 
 
 @functools.cache  # a CPU tensor per call costs host time on a hot path; the pairs seen are few
@@ -154,7 +169,8 @@ def _launch(tokens, end, history_end, m, bound, bigram, bigram_prob, min_match, 
         goal.contiguous() if append else tokens, new_end,
         capacity, min(bound, capacity), bigram.shape[0] if has_bigram else 1,
         threshold, min_match, M=m, M_BLOCK=triton.next_power_of_2(m), MAX_MATCH=max_match, COPY_PASSES=copy_passes,
-        LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, APPEND=append, BLOCK=BLOCK)
+        MATCH_BLOCK=triton.next_power_of_2(max_match), LEFTMOST=leftmost, HAS_BIGRAM=has_bigram, APPEND=append,
+        POSITIONS=block_positions(max_match))
     return proposal, length, match, new_end
 
 

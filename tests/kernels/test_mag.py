@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from csd_engine.kernels.mag import BLOCK, mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
+from csd_engine.kernels.mag import BLOCK, block_positions, mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,6 +61,23 @@ def test_ties_across_position_blocks(leftmost):
     assert (match == 32).all()
     # The leftmost occurrence has 6 tokens after it; the rightmost ends 5 or fewer before the history's end.
     assert (length == 6).all() if leftmost else (length < 6).all(), length
+
+
+@pytest.mark.parametrize("max_match", [33, 64, 100])
+def test_matches_longer_than_a_tile_is_wide(max_match):
+    """max_match past 32 narrows the kernel's tiles (fewer positions, more compared tokens, the
+    last ones masked where max_match is not a power of two): a period-3 buffer, so the longest
+    matches are max_match long and recur in every tile; both tie rules, two passes."""
+    assert block_positions(max_match) < BLOCK
+    capacity = 2 * BLOCK + 11
+    tokens = (torch.arange(capacity) % 3)[None].repeat(3, 1).to(DEVICE)
+    tokens[1, 40] = 7  # row 1: a break, so only matches after it reach max_match
+    end = torch.tensor([capacity, capacity - 5, max_match // 2], device=DEVICE)
+    for leftmost in (True, False):
+        args = (tokens, end, end - 1, 6, capacity, None, None, 1, max_match, 0.5, leftmost, 2)
+        assert_same(args, 0)
+        match = mag_propose(*args)[2]
+        assert match[0] == max_match and match[1] == max_match and match[2] < max_match, match
 
 
 def test_edge_rows():
