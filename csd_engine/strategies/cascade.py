@@ -368,8 +368,10 @@ class CascadeDecoder(Decoder):
 
     def _draft(self, state, work: Working, level: Level, length, rows, grown: int):
         """Grow the working sequence of `rows` (mask) by `level`'s sources, each up to its row's
-        budget, in host-known rounds. Returns the new lengths; `grown` bounds length - base on
-        entry (host-known, for the forward widths). Lengths are never changed in place."""
+        budget, in host-known rounds (on the CPU, where Models.trim_drafts reads the device, a
+        neural source's rounds end once no row needs more). Returns the new lengths; `grown`
+        bounds length - base on entry (host-known, for the forward widths). Lengths are never
+        changed in place."""
         goal = length
         for source in level.sources:
             goal = goal + work.budgets[source.index]
@@ -380,6 +382,8 @@ class CascadeDecoder(Decoder):
                     grown += m
                 else:
                     need = (length < goal) & rows
+                    if self.models.trim_drafts and not bool(need.any()):  # a named host read, as _review's
+                        break  # trim: no row needs more of this source (the device path runs it masked)
                     sub = self._draft(state, work, source.below, length, need, grown)
                     # after its first call the drafter's cache holds every row's sequence but its
                     # last token (its sub-cascade holds lower drafters only): its trail is 1

@@ -8,7 +8,11 @@ row picks the model budget a <= A, the MaG tokens c <= min(M, a - 1) the model r
 maximise its expected tokens per cost:
 
     tokens(a, c, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
-    cost(a, c, g)   = width(1 + a + g) + ceil(a / (1 + beta c)) (c_model + width(1 + c) - 1)
+    cost(a, c, g)   = width(1 + a + g) + reviews(a, c) (c_model + width(1 + c) - 1)
+
+reviews(a, c) = ceil(a / (1 + beta c)) where a step's review rounds end once no row needs more
+(the CPU, Models.trim_drafts); a where the step runs every round its widest row asks for (a GPU's
+step graph, rows that are done masked): there reviewing MaG's tokens saves no forward, so c = 0.
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
@@ -163,8 +167,11 @@ class AutoCascadeDecoder(CascadeDecoder):
             alpha = self._rate(counts.source_accepted[self.neural_source.index],
                                counts.source_checked[self.neural_source.index],
                                self.config.prior_rate)[:, None, None, None]
-            beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
-            reviews = torch.ceil(af / (1 + beta * c))
+            if self.models.trim_drafts:  # the rounds stop once the row has its a tokens
+                beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
+                reviews = torch.ceil(af / (1 + beta * c))
+            else:  # a step graph runs every round the plan asks for, masked where a row is done
+                reviews = af
         tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
         cost = self.width_costs[self.one_plus_a + g] + reviews * self.review_cost
         value = (tokens / cost).masked_fill(self.reviews_too_many, float("-inf"))  # [B, A + 1, M + 1, M + 1]

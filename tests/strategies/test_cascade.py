@@ -1,5 +1,6 @@
 """Cascade Speculative Drafting is lossless: greedy equals plain greedy decoding for any valid
 K and lenience; sampling follows the target at every temperature, lenience included."""
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -367,6 +368,30 @@ def test_reviews_by_a_copy_of_the_target_draft_only_what_the_target_accepts(mode
                                                                                    r.metrics.drafted)
 
 
+def test_a_cpu_engine_stops_a_drafters_reviews_once_no_row_needs_one():
+    """On the CPU (trim_drafts) a neural source's review rounds end once every row has its
+    budget; the device path runs the rest masked. A target whose final norm is zeroed emits
+    token 0 forever (all logits tie), so MaG's one-token proposals are always right and the
+    drafter (the target itself) takes them: 2 tokens a review, a budget of 6 in 3 reviews, not 6.
+    Same tokens either way."""
+    target = tiny_llama(seed=31)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+    engine = Engine(target, drafters=[perturbed(target, noise=0.0, seed=0), "mag"], max_batch_size=2,
+                    max_seq_len=96, verify_backend="torch")
+    prompts = [[5, 6, 7, 8, 9] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2]
+    strategy = Cascade(k_matrix=[[6, 0], [0, 1]], lenience=1.0, mag_tokens=1)
+    runs = {}
+    for trim in (True, False):
+        engine.trim_drafts = trim
+        out = assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=40)
+        runs[trim] = [r.token_ids for r in out], [r.metrics.drafter_forwards[0] / r.metrics.target_forwards
+                                                  for r in out]
+    assert runs[True][0] == runs[False][0]
+    assert all(f == 6 for f in runs[False][1]), runs  # every round, every step
+    assert all(f < 4 for f in runs[True][1]), runs
+
+
 def test_a_drafters_later_reviews_feed_only_the_new_tokens(models):
     """On the device path (no trim) a review's forward width is a host-known bound on how far the
     drafter's cache trails the draft: after its first review of a step the drafter holds the draft
@@ -502,6 +527,12 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
     budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[model].tolist() == [6, 6] and caps[decoder.sub_mag_source.index].tolist() == [3, 0]
+    # where a step runs every review round its widest row asks for (the device path: no trim), fewer,
+    # wider reviews save no forward: the model drafts alone however many MaG tokens it would take
+    device = Cascade.auto(max_tokens=6, model_cost=0.3, width_cost=0.1).decoder(
+        dataclasses.replace(engine._decoder_models(), trim_drafts=False))
+    budgets, caps = device.budgets(state, torch.tensor([False, False]))
+    assert budgets[model].tolist() == [6, 6] and caps[device.sub_mag_source.index].tolist() == [0, 0]
 
 
 def test_auto_prices_a_review_as_the_models_forward_plus_the_width_increment(models):
