@@ -44,7 +44,7 @@ from bench.common import encode, load_prompts, order_by_category, print_table  #
 from csd_engine import Autoregressive, SamplingParams  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
-from csd_engine.strategies.budget import chain_budget, counted_rate  # noqa: E402
+from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets_ref  # noqa: E402
 
 WIDTHS = (1, 2, 3, 5, 9, 17)  # forward widths timed for width(n); wider ones extend the last slope
 MAG_TOKENS = 16  # the longest MaG proposal recorded (the cascade's direct_tokens)
@@ -80,7 +80,7 @@ class Costs:
         return y0 + (max(n, 1) - x0) * (y1 - y0) / (x1 - x0)
 
     def table(self, n: int) -> torch.Tensor:
-        """[n + 1] width(w) for w = 0..n, as budget.chain_budget takes it."""
+        """[n + 1] width(w) for w = 0..n, as kernels/draft_budget.py takes it."""
         return torch.tensor([self.width(w) for w in range(n + 1)])
 
 
@@ -110,9 +110,10 @@ class SpeculativeAutoRule:
     prior_rate: float = 0.8
 
     def choose(self, trace, t, memory, costs):
-        rate = counted_rate(torch.tensor([memory.get("accepted", 0.0)]), torch.tensor([memory.get("checked", 0.0)]),
-                            self.prior, self.prior_rate)
-        return Step(model=int(chain_budget(rate, self.max_tokens, costs.drafter, costs.table(self.max_tokens + 1))[0]))
+        grid = Grid(self.max_tokens, 0, (), costs.drafter, self.prior, self.prior_rate, stops_early=False)
+        counts = Counts((torch.tensor([memory.get("accepted", 0.0)]), torch.tensor([memory.get("checked", 0.0)])),
+                        None, None, None)
+        return Step(model=int(draft_budgets_ref(grid, costs.table(self.max_tokens + 1), counts)[1, 0]))
 
     def learn(self, memory, step, drafted, accepted):
         if step.model:

@@ -12,7 +12,7 @@
 #                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
 #                                      # step graphs; the chain and the cascade also sampling with top-k /
 #                                      # top-p at batch 1; then each step's GPU kernel time by category), then the sync,
-#                                      # real-graph, compiled MaG, cut-off search and emitted-distribution
+#                                      # real-graph, compiled MaG, cut-off search, emitted-distribution and draft-budget
 #                                      # tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
@@ -58,7 +58,7 @@ if [ "$what" = open ]; then
       tests/strategies/test_host_reads.py::test_a_step_never_synchronises_on_cuda \
       tests/strategies/test_step_graphs.py::test_real_cuda_graphs_equal_eager_steps \
       tests/kernels/test_mag.py tests/drafters/test_mag.py::test_extend_runs_in_a_cuda_graph_and_matches_the_reference \
-      tests/kernels/test_sampling.py tests/kernels/test_emitted.py \
+      tests/kernels/test_sampling.py tests/kernels/test_emitted.py tests/kernels/test_draft_budget.py \
     2>&1 | tee "$OUT/pytest-open.log" | grep -v "^\." | tail -15
   echo "[gpu_session] total $(( $(date +%s) - start )) s"
   exit 0

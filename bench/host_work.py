@@ -11,10 +11,11 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   streams' seed mixing), each some microseconds of host time; of them, strategy kernels: those
   that launch a kernel on a GPU (views and `empty` launch none);
 * calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each), a
-  sampling review's emitted distribution (2), MaG calls (one launch), drafter forwards (a
-  CUDA-graph replay each when graphed);
-* launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls, the
-  kernel launches a step issues besides its model forwards;
+  sampling review's emitted distribution (2), MaG calls (one launch), the self-tuning
+  strategies' draft choice (one launch, kernels/draft_budget.py), drafter forwards (a CUDA-graph
+  replay each when graphed);
+* launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls +
+  draft choices, the kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
   widths, padding included), the drafters' share of the step's GPU work.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
@@ -38,6 +39,7 @@ from bench.tiny import perturbed, tiny_qwen2  # noqa: E402
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.host_reads import is_host_read, reading_python_values  # noqa: E402
+from csd_engine.strategies import cascade_auto, speculative_auto  # noqa: E402
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
@@ -112,8 +114,9 @@ class Counted:
 
 def count_calls(engine: Engine, counts: Counter, context: list):
     """Marks the calls that run as whole kernels on a GPU (model forwards, verifier calls, MaG
-    proposals) as the context of the ops inside them, and counts them and the drafters'
-    forward widths (inside steps and plans only: not prefills)."""
+    proposals, draft choices) as the context of the ops inside them, and counts them and the
+    drafters' forward widths (inside steps and plans only: not prefills). Returns what undoes
+    the module-level wraps (the draft choice's)."""
     def wrap(obj, name, part, count=None):
         original = getattr(obj, name)
 
@@ -131,12 +134,16 @@ def count_calls(engine: Engine, counts: Counter, context: list):
         wrap(engine.verifier, name, "verify", lambda *a: counts.update(["verifier_calls"]))
     wrap(engine.verifier, "emitted_distribution", "verify", lambda *a: counts.update(["emitted_calls"]))
     wrap(engine.target, "forward", "model")
+    originals = [(module, module.draft_budgets_ref) for module in (cascade_auto, speculative_auto)]
+    for module, _ in originals:  # the CPU's reference of what is one launch on a GPU
+        wrap(module, "draft_budgets_ref", "budget", lambda *a: counts.update(["budget_calls"]))
     for drafter in engine.drafters:
         if isinstance(drafter, MaG):
             for method in ("propose", "extend"):  # one launch each on a GPU (extend writes in the same)
                 wrap(drafter, method, "mag", lambda *a: counts.update(["mag_calls"]))
         else:
             wrap(drafter, "forward", "model", lambda batch: counts.update({"drafter_tokens": batch.input_ids.shape[1]}))
+    return lambda: [setattr(module, "draft_budgets_ref", original) for module, original in originals]
 
 
 def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict:
@@ -148,15 +155,19 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, **MODES[mode])
     engine.generate(prompts, params, strategy=strategy)  # warm-up: nothing cached in the counts
     counts, context = Counter(), ["outside"]
-    count_calls(engine, counts, context)
-    results = engine.generate(prompts, params, strategy=Counted(strategy, counts, context))
+    restore = count_calls(engine, counts, context)
+    try:
+        results = engine.generate(prompts, params, strategy=Counted(strategy, counts, context))
+    finally:
+        restore()
     steps = max(counts["steps"], 1)
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps
                 for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "emitted_calls",
-                            "mag_calls", "drafter_tokens")}
+                            "mag_calls", "budget_calls", "drafter_tokens")}
     per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
-                            + EMITTED_LAUNCHES * per_step["emitted_calls"] + per_step["mag_calls"])
+                            + EMITTED_LAUNCHES * per_step["emitted_calls"] + per_step["mag_calls"]
+                            + per_step["budget_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
                 host_reads_per_step=per_step["host_reads"], strategy_ops_per_step=per_step["strategy"],
                 strategy_kernels_per_step=per_step["strategy_kernels"],

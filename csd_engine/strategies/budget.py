@@ -1,6 +1,6 @@
-"""The cost model the self-tuning strategies share (Speculative.auto(), Cascade.auto()): counted
-acceptance rates, the expected tokens of a draft whose tokens are accepted at a per-token rate,
-and what a forward costs by its width on this platform.
+"""What the self-tuning strategies (Speculative.auto(), Cascade.auto()) price their drafts with:
+what a forward costs by its width on this platform and a drafter's forward relative to the
+target's. The choice itself, from counted acceptance rates, is kernels/draft_budget.py.
 
 Costs are in target forwards of one token. Nothing here is timed: a row's decision follows
 its own counts only, so a seeded request gives the same tokens whatever shares its batch and
@@ -10,17 +10,6 @@ import torch
 
 from csd_engine import ops
 from csd_engine.strategies.base import Models
-
-
-def counted_rate(accepted: torch.Tensor, counted: torch.Tensor, prior: float, prior_rate: float = 0.5) -> torch.Tensor:
-    """accepted / counted per row, with the prior rate `prior_rate` worth `prior` tokens."""
-    return (accepted + prior_rate * prior) / (counted + prior)
-
-
-def geometric(rate: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """1 + rate + ... + rate^n: the tokens a step emits when each of n draft tokens is accepted
-    at `rate`, given the ones before it were (the bonus / correction token included)."""
-    return (1 - rate ** (n + 1)) / (1 - rate).clamp_min(1e-6)
 
 
 # A forward's cost by width (tokens fed) relative to a one-token forward where a bf16 target runs
@@ -81,13 +70,3 @@ def cost_ratio(models: Models, drafter: int) -> float:
     if getattr(d, "weight_bytes", None) and getattr(t, "weight_bytes", None) and not on_bf16_kernel(models):
         return d.weight_bytes / t.weight_bytes
     return d.num_params / t.num_params
-
-
-def chain_budget(rate: torch.Tensor, max_tokens: int, model_cost: float, costs: torch.Tensor) -> torch.Tensor:
-    """[B] draft length a <= max_tokens of a chain drafter that maximises tokens per cost,
-    geometric(rate, a) / (costs[a + 1] + model_cost a): a one-token drafter forward per draft
-    token, and a target forward a + 1 tokens wide (costs: width_costs). 0 (plain decoding) once
-    no length pays."""
-    a = torch.arange(max_tokens + 1, device=rate.device)
-    value = geometric(rate[:, None], a.to(rate.dtype)) / (costs[a + 1].to(rate.dtype) + model_cost * a)
-    return a[value.argmax(1)]  # the first best (fewest drafts) on ties

@@ -57,7 +57,8 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
-from csd_engine.strategies.budget import cost_ratio, counted_rate, geometric, width_costs
+from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
+from csd_engine.strategies.budget import cost_ratio, width_costs
 from csd_engine.strategies.cascade import CascadeDecoder, check_tree_fits, checked_tree, compile_plan
 
 
@@ -118,34 +119,14 @@ class AutoCascadeDecoder(CascadeDecoder):
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
                  model_cost: float, width_costs: torch.Tensor):
         super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
-        self.config, self.model_cost, self.width_costs = config, model_cost, width_costs
+        self.config, self.width_costs = config, width_costs
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
         self.sub_mag_source = self.neural_source.below.sources[0] if self.neural_source else None
-        dev = models.device
-        self.grid = torch.arange(config.max_tokens + 1 if self.neural_source else 1, device=dev)
-        self.mag_grid = torch.arange(mag_tokens + 1, device=dev)
-        # the choice grid's constant terms, computed once (each a kernel launch per step on a GPU):
-        a = self.grid[None, :, None, None]  # [1, A + 1, 1, 1] the model's budget
-        c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
-        self.a_float, self.no_model, self.one_plus_a = a.float(), a == 0, 1 + a
-        trees = 2 if self.tree else 1  # t = 0: a chain; t = 1: the tree
-        n, na = self.mag_grid.numel(), self.grid.numel()  # the grid's flat index -> its (t, a, c, g): a gather
-        flat = torch.arange(trees * na * n * n, device=dev)
-        self.choices = torch.stack([flat // (na * n * n), self.grid[flat // (n * n) % na], self.mag_grid[flat // n % n],
-                                    self.mag_grid[flat % n]], 1)
-        self.review_cost = self.model_cost + width_costs[1 + c] - 1  # a review: the model's forward + the width increment
-        self.reviews_too_many = c > (a - 1).clamp(min=0)  # the model reviews at most a - 1 MaG tokens
-        if self.tree:
-            # the tree's sibling nodes within a draft of w = a + g tokens, and per model budget a the
-            # depths d <= a with siblings (a row reaches depth d with probability alpha^(d - 1))
-            depths = torch.arange(1, len(self.tree) + 1, device=dev)
-            extra = torch.tensor(self.tree, device=dev) - 1
-            self.tree_nodes = torch.cat([extra.new_zeros(1), extra.cumsum(0)])[
-                torch.arange(na + n - 1, device=dev).clamp(max=len(self.tree))]
-            self.sibling_depths = ((depths[None, :] <= self.grid[:, None]) & (extra[None, :] > 0)).float()  # [A + 1, D]
-            self.depth_exponent = (depths - 1).float()
+        # the choice grid's host constants (kernels/draft_budget.py: one launch on a GPU)
+        self.grid = Grid(config.max_tokens if self.neural_source else 0, mag_tokens, self.tree, model_cost,
+                         config.prior, config.prior_rate, stops_early=models.trim_drafts)
 
     def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
         return self.plan_budgets(state, direct, ready)[:2]
@@ -154,45 +135,16 @@ class AutoCascadeDecoder(CascadeDecoder):
         """Each row's best (t, a, c, g) as budgets, caps and whether it wants the tree (None
         without one)."""
         budgets, caps = super().budgets(state, direct)
-        counts, top_mag = state.metrics, self.mag_source.index
-        gamma = self._rate(counts.source_accepted[top_mag], counts.source_checked[top_mag])[:, None, None, None]
-        c = self.mag_grid[None, None, :, None]  # [1, 1, M + 1, 1] MaG tokens per review by the model
-        g = self.mag_grid[None, None, None, :]  # [1, 1, 1, M + 1] MaG's top-level budget
-        if ready is not None:  # with no model tokens, MaG adds what it proposes now, no more
-            g = torch.where(self.no_model, torch.minimum(g, ready[:, None, None, None]), g)
-        af = self.a_float  # [1, A + 1, 1, 1] the model's budget
-        if self.neural_source is None:
-            alpha = reviews = torch.zeros_like(gamma)
-        else:
-            alpha = self._rate(counts.source_accepted[self.neural_source.index],
-                               counts.source_checked[self.neural_source.index],
-                               self.config.prior_rate)[:, None, None, None]
-            if self.models.trim_drafts:  # the rounds stop once the row has its a tokens
-                beta = self._rate(counts.level_accepted[1], counts.level_drafted[1])[:, None, None, None]
-                reviews = torch.ceil(af / (1 + beta * c))
-            else:  # a step graph runs every round the plan asks for, masked where a row is done
-                reviews = af
-        tokens = geometric(alpha, af) + alpha ** af * (geometric(gamma, g.to(gamma.dtype)) - 1)
-        cost = self.width_costs[self.one_plus_a + g] + reviews * self.review_cost
-        value = (tokens / cost).masked_fill(self.reviews_too_many, float("-inf"))  # [B, A + 1, M + 1, M + 1]
-        if self.tree:  # the same grid with the tree: its sibling tokens for its nodes' width
-            sigma = self._rate(counts.sibling_accepted, counts.sibling_checked)
-            rate = alpha[:, 0, 0, 0]
-            reach = rate[:, None] ** self.depth_exponent  # [B, D]: alpha^(d - 1)
-            gain = (sigma * (1 - rate))[:, None] * (reach @ self.sibling_depths.t())  # [B, A + 1]
-            nodes = self.tree_nodes[self.one_plus_a - 1 + g]
-            tree_cost = self.width_costs[self.one_plus_a + g + nodes] + reviews * self.review_cost
-            tree_value = ((tokens + gain[:, :, None, None]) / tree_cost).masked_fill(self.reviews_too_many,
-                                                                                      float("-inf"))
-            value = torch.stack([value, tree_value], 1)  # [B, 2, A + 1, M + 1, M + 1]
-        best = value.flatten(1).argmax(1)  # [B]: first best (no tree, fewest drafts) on ties
-        pick_t, pick_a, pick_c, pick_g = self.choices[best].unbind(1)  # [B] each: the best choice's budgets
+        counts, top_mag, neural = state.metrics, self.mag_source.index, self.neural_source
+        model = None if neural is None else (counts.source_accepted[neural.index], counts.source_checked[neural.index])
+        reviews = (counts.level_accepted[1], counts.level_drafted[1]) if neural and self.grid.stops_early else None
+        siblings = (counts.sibling_accepted, counts.sibling_checked) if self.tree else None
+        choose = draft_budgets if state.pending.is_cuda else draft_budgets_ref
+        pick_t, pick_a, pick_c, pick_g = choose(self.grid, self.width_costs, Counts(
+            model, (counts.source_accepted[top_mag], counts.source_checked[top_mag]), reviews, siblings), ready)
         if self.neural_source is not None:
             budgets[self.neural_source.index] = torch.where(direct, budgets[self.neural_source.index], pick_a)
             caps[self.sub_mag_source.index] = pick_c
         budgets[top_mag] = torch.where(direct, budgets[top_mag], pick_g)
         caps[top_mag] = torch.where(direct, caps[top_mag], pick_g)
         return budgets, caps, (pick_t > 0) & ~direct if self.tree else None
-
-    def _rate(self, accepted: torch.Tensor, counted: torch.Tensor, prior_rate: float = 0.5) -> torch.Tensor:
-        return counted_rate(accepted, counted, self.config.prior, prior_rate)

@@ -20,7 +20,8 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
                                         roll_back_drafters, verify_chain)
-from csd_engine.strategies.budget import chain_budget, cost_ratio, counted_rate, width_costs
+from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
+from csd_engine.strategies.budget import cost_ratio, width_costs
 from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
 
 
@@ -64,14 +65,16 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
 
     def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_costs: torch.Tensor):
         super().__init__(models, config.max_tokens, config.drafter, config.min_confidence)
-        self.config, self.model_cost, self.width_costs = config, model_cost, width_costs
+        self.config, self.width_costs = config, width_costs
+        # a chain is the draft-budget grid without MaG or a tree (kernels/draft_budget.py)
+        self.grid = Grid(config.max_tokens, 0, (), model_cost, config.prior, config.prior_rate, stops_early=False)
 
     def budget(self, state: DecodeState) -> torch.Tensor:
         """[B] each active row's draft length for the next step (0 for the others): the plan's
         second column, which the step reads on the device (state.plan)."""
-        counts, config = state.metrics, self.config
-        rate = counted_rate(counts.source_accepted[0], counts.source_checked[0], config.prior, config.prior_rate)
-        return chain_budget(rate, self.k, self.model_cost, self.width_costs) * state.active
+        counts = Counts((state.metrics.source_accepted[0], state.metrics.source_checked[0]), None, None, None)
+        choose = draft_budgets if state.pending.is_cuda else draft_budgets_ref  # one launch on a GPU
+        return choose(self.grid, self.width_costs, counts)[1] * state.active
 
     def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, 2]: how far the drafter's cache trails the committed prefix, the row's draft length."""

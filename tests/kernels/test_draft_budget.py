@@ -1,0 +1,78 @@
+"""kernels/draft_budget.py: the one-launch draft choice picks what its PyTorch reference picks
+(or, where the two round a near-tie apart, a choice worth the reference's best to 1e-5), over
+random grids (with and without a model, MaG, a tree, early-stopping reviews, MaG's proposal
+lengths) and counts; and the reference is the rule its docstring states, checked by hand."""
+import random
+
+import pytest
+import torch
+
+from csd_engine.kernels.draft_budget import Counts, Grid, budget_values_ref, draft_budgets, draft_budgets_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pair(rng: random.Random, batch: int, zero: bool = False):
+    checked = torch.tensor([rng.randint(0, 60) for _ in range(batch)], device=DEVICE)
+    accepted = torch.zeros_like(checked) if zero else (checked * torch.rand(batch, device=DEVICE)).long()
+    return accepted, checked
+
+
+def random_case(rng: random.Random):
+    batch = rng.randint(1, 5)
+    a, m = rng.choice([(0, rng.randint(1, 4)), (rng.randint(1, 6), 0), (rng.randint(1, 6), rng.randint(1, 4))])
+    tree = tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 3))) if a and rng.random() < 0.5 else ()
+    grid = Grid(a, m, tree, model_cost=rng.choice([0.0, 0.05, 0.3, 1.2]), prior=rng.choice([1.0, 4.0]),
+                prior_rate=rng.choice([0.0, 0.5, 0.8]), stops_early=rng.random() < 0.5)
+    n = 2 + a + m + sum(b - 1 for b in tree)
+    slope = rng.choice([0.0, 0.02, 0.3])
+    width_costs = (1 + slope * (torch.arange(n, device=DEVICE).clamp(min=1) - 1)).float()
+    counts = Counts(pair(rng, batch, zero=rng.random() < 0.2) if a else None, pair(rng, batch) if m else None,
+                    pair(rng, batch) if a and grid.stops_early else None, pair(rng, batch) if tree else None)
+    ready = torch.tensor([rng.randint(0, m + 2) for _ in range(batch)], device=DEVICE) \
+        if m and rng.random() < 0.5 else None
+    return grid, width_costs, counts, ready
+
+
+def assert_same_choice(grid, width_costs, counts, ready, where):
+    got, want = draft_budgets(grid, width_costs, counts, ready), draft_budgets_ref(grid, width_costs, counts, ready)
+    if torch.equal(got, want):
+        return
+    values, _ = budget_values_ref(grid, width_costs, counts, ready)
+    trees, na, n, _ = grid.shape
+    index = ((got[0] * na + got[1]) * n + got[2]) * n + got[3]  # g' where clamped: the same value
+    picked, best = values.gather(1, index[:, None])[:, 0], values.max(1).values
+    assert torch.all(picked >= best - 1e-5 * best.abs()), f"{where}: kernel {got.tolist()} ref {want.tolist()}"
+
+
+def test_random_grids_choose_as_the_reference():
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    for case in range(150):
+        grid, width_costs, counts, ready = random_case(rng)
+        assert_same_choice(grid, width_costs, counts, ready, f"seed {seed} case {case} {grid}")
+
+
+def test_the_reference_is_the_stated_rule():
+    """One row by hand: alpha = (3 + 0.8 * 4) / (5 + 4), a chain of a model tokens costs a target
+    forward 1 + a wide (slope 0.1) and a reviews of 0.2; no MaG, no tree. Every a's value, and the
+    pick is the best."""
+    grid = Grid(4, 0, (), model_cost=0.2, prior=4.0, prior_rate=0.8, stops_early=False)
+    width_costs = 1 + 0.1 * (torch.arange(6, device=DEVICE).clamp(min=1) - 1).float()
+    counts = Counts((torch.tensor([3], device=DEVICE), torch.tensor([5], device=DEVICE)), None, None, None)
+    alpha = (3 + 0.8 * 4) / (5 + 4)
+    expected = [sum(alpha ** i for i in range(a + 1)) / (1 + 0.1 * a + 0.2 * a) for a in range(5)]
+    values, _ = budget_values_ref(grid, width_costs, counts)
+    assert torch.allclose(values[0].cpu(), torch.tensor(expected), rtol=1e-6)
+    best = max(range(5), key=lambda a: expected[a])
+    assert draft_budgets_ref(grid, width_costs, counts)[:, 0].tolist() == [0, best, 0, 0]
+    assert draft_budgets(grid, width_costs, counts)[:, 0].tolist() == [0, best, 0, 0]
+
+
+def test_mismatched_counts_and_short_tables_are_refused():
+    grid = Grid(2, 2, (), model_cost=0.1, prior=4.0, prior_rate=0.8, stops_early=False)
+    one = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="do not match the grid"):
+        draft_budgets_ref(grid, torch.ones(6), Counts(one, None, None, None))
+    with pytest.raises(ValueError, match="at least 6"):
+        draft_budgets_ref(grid, torch.ones(5), Counts(one, one, None, None))
