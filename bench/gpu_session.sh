@@ -8,8 +8,8 @@
 #   4. the kernel, fused-path and host-read tests, compiled for real, in the time left (all: 545 s).
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
-#   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
-#                                      # step split (fixed and self-tuning strategies, batch 1 and 8 under
+#   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: MaG's
+#                                      # kernel per call, the step split (fixed and self-tuning strategies, batch 1 and 8 under
 #                                      # step graphs; the chain and the cascade also sampling with top-k /
 #                                      # top-p at batch 1; then each step's GPU kernel time by category), then the sync,
 #                                      # real-graph, compiled MaG, cut-off search, emitted-distribution and draft-budget
