@@ -21,6 +21,7 @@ kernel launch that a step graph replays every step; here one program per row eva
 bits (exp2/log2 powers), so the two may break a near-tie differently: that changes a budget, never
 a token. Shapes and host constants only: capturable in a CUDA graph.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -119,11 +120,12 @@ def _budget_kernel(model_acc_ptr, model_chk_ptr, mag_acc_ptr, mag_chk_ptr, revie
     tl.store(pick_ptr + 3 * batch + row, tl.sum(tl.where(i == best, g, 0), axis=0).to(tl.int64))  # g', clamped
 
 
-def _tree_tables(grid: Grid, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nodes [A + M + 1]: the tree's sibling nodes within a draft of w tokens, extra [D]: each
+@functools.cache  # made on a strategy's first (eager) call: a host-to-device copy cannot be captured
+def _tree_tables(tree: tuple, drafts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nodes [drafts + 1]: the tree's sibling nodes within a draft of w tokens, extra [D]: each
     depth's siblings)."""
-    extra = torch.tensor(grid.tree or (1,), dtype=torch.int64, device=device) - 1
-    depth = torch.arange(grid.max_tokens + grid.mag_tokens + 1, device=device).clamp(max=len(grid.tree))
+    extra = torch.tensor(tree or (1,), dtype=torch.int64, device=device) - 1
+    depth = torch.arange(drafts + 1, device=device).clamp(max=len(tree))
     return torch.cat([extra.new_zeros(1), extra.cumsum(0)])[depth], extra
 
 
@@ -150,7 +152,7 @@ def draft_budgets(grid: Grid, width_costs: torch.Tensor, counts: Counts,
     pick = torch.empty(4, batch, dtype=torch.int64, device=device)
     if batch == 0:
         return pick
-    nodes, extra = _tree_tables(grid, device)
+    nodes, extra = _tree_tables(grid.tree, grid.max_tokens + grid.mag_tokens, device)
     dummy = pick
     pointers = [x for p in pairs for x in (p if p is not None else (dummy, dummy))]
     trees, na, n = grid.shape[:3]
@@ -193,7 +195,7 @@ def budget_values_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
     review_cost = grid.model_cost + width_costs[1 + c] - 1
     width = 1 + a + g
     if grid.tree:
-        nodes, extra = _tree_tables(grid, device)
+        nodes, extra = _tree_tables(grid.tree, grid.max_tokens + grid.mag_tokens, device)
         depths = torch.arange(len(grid.tree), device=device)
         reach = rate ** depths.float()  # [B, D]: alpha^(d - 1), the chance a row reaches depth d
         sibling_depths = ((a[:, None] >= depths + 1) & (extra > 0)).float()  # [G, D]
