@@ -4,7 +4,8 @@ one launch, with its PyTorch reference.
 Per row, over the grid of choices (t, a, c, g): t = 1 checks the draft as the top-level tree
 (t = 0 a chain), a <= A model tokens, c <= M MaG tokens per review by the model, g <= M top-level
 MaG tokens (strategies/cascade_auto.py derives the formula; Speculative.auto() is the grid with
-M = 0 and no tree), the row picks the first choice (t-, a-, c-, g-major order) of most
+M = 0 and no tree), the row picks the first choice (t-, a-, c-, g-major order: no tree, fewest drafts) whose value
+is within TIE (relative) of the most
 
     value = (tokens + t gain) / (width[1 + a + g' + t nodes(a + g')] + reviews (model_cost + width[1 + c] - 1))
     tokens = geo(alpha, a) + alpha^a (geo(gamma, g') - 1),   geo(r, n) = 1 + r + ... + r^n
@@ -17,9 +18,12 @@ choices whose c > max(a - 1, 0) excluded. Rates are counted: (accepted + prior_r
 
 Why a kernel: the reference is ~50-80 tensor ops over a [B, T, A+1, M+1, M+1] grid, each a
 kernel launch that a step graph replays every step; here one program per row evaluates its grid
-(at most a few hundred choices) in registers. Values can differ from the reference's in the last
-bits (exp2/log2 powers), so the two may break a near-tie differently: that changes a budget, never
-a token. Shapes and host constants only: capturable in a CUDA graph.
+(at most a few hundred choices) in registers. Values differ from the reference's in the last
+bits (exp2/log2 powers); choices equal in exact arithmetic are common (the prior rates give
+equal values to several MaG budgets), and the tolerance makes both take the first of them
+rather than whichever rounding favours. Only values straddling the tolerance can still be
+chosen apart: that changes a budget, never a token. Shapes and host constants only:
+capturable in a CUDA graph.
 """
 import functools
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+TIE = 1e-6  # relative: values this close count as equal (float32 rounding of equal expressions)
+_TIE = tl.constexpr(TIE)
 
 @dataclass(frozen=True)
 class Grid:
@@ -113,7 +119,8 @@ def _budget_kernel(model_acc_ptr, model_chk_ptr, mag_acc_ptr, mag_chk_ptr, revie
         width += tl.where(t == 1, tl.load(nodes_ptr + a + g), 0)
     value = tokens / (tl.load(width_ptr + width) + reviews * review_cost)
     value = tl.where((i < TREES * (A + 1) * N * N) & (c <= tl.maximum(a - 1, 0)), value, float("-inf"))
-    best = tl.argmax(value, axis=0, tie_break_left=True)
+    top = tl.max(value, axis=0)
+    best = tl.min(tl.where(value >= top - _TIE * tl.abs(top), i, BLOCK), axis=0)  # the first (near-)best
     tl.store(pick_ptr + row, (best // ((A + 1) * N * N)).to(tl.int64))
     tl.store(pick_ptr + batch + row, (best // (N * N) % (A + 1)).to(tl.int64))
     tl.store(pick_ptr + 2 * batch + row, (best // N % N).to(tl.int64))
@@ -211,7 +218,8 @@ def draft_budgets_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
     """The PyTorch reference of `draft_budgets`: [4, B] int64 (t, a, c, g) per row."""
     value, g = budget_values_ref(grid, width_costs, counts, ready)
     trees, na, n, _ = grid.shape
-    best = value.argmax(1)  # the first best on ties, as the kernel's
+    top = value.max(1, keepdim=True).values
+    best = (value >= top - TIE * top.abs()).int().argmax(1)  # the first (near-)best, as the kernel's
     return torch.stack([best // (na * n * n), best // (n * n) % na, best // n % n, g.gather(1, best[:, None])[:, 0]])
 
 

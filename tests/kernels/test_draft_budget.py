@@ -1,7 +1,8 @@
 """kernels/draft_budget.py: the one-launch draft choice picks what its PyTorch reference picks
-(or, where the two round a near-tie apart, a choice worth the reference's best to 1e-5), over
-random grids (with and without a model, MaG, a tree, early-stopping reviews, MaG's proposal
-lengths) and counts; and the reference is the rule its docstring states, checked by hand."""
+(or, where a value straddles the tie tolerance, a choice worth the reference's best to 1e-5),
+over random grids (with and without a model, MaG, a tree, early-stopping reviews, MaG's
+proposal lengths) and counts; choices equal in exact arithmetic go to the fewest drafts in
+both; and the reference is the rule its docstring states, checked by hand."""
 import random
 
 import pytest
@@ -67,6 +68,19 @@ def test_the_reference_is_the_stated_rule():
     best = max(range(5), key=lambda a: expected[a])
     assert draft_budgets_ref(grid, width_costs, counts)[:, 0].tolist() == [0, best, 0, 0]
     assert draft_budgets(grid, width_costs, counts)[:, 0].tolist() == [0, best, 0, 0]
+
+
+def test_choices_equal_in_exact_arithmetic_go_to_the_fewest_drafts():
+    """MaG alone at its prior rate 0.5, a forward 0.2 wider per token: 1 token is worth 1.5 / 1.2
+    and 2 are worth 1.75 / 1.4, both 1.25 exactly but not in float32; kernel and reference both
+    take 1 (and 0 where MaG proposes nothing now)."""
+    grid = Grid(0, 4, (), model_cost=0.0, prior=4.0, prior_rate=0.8, stops_early=False)
+    width_costs = 1 + 0.2 * (torch.arange(6, device=DEVICE).clamp(min=1) - 1).float()
+    zeros = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    counts = Counts(None, (zeros, zeros), None, None)
+    ready = torch.tensor([4, 0], device=DEVICE)
+    for choose in (draft_budgets, draft_budgets_ref):
+        assert choose(grid, width_costs, counts, ready)[3].tolist() == [1, 0], choose.__name__
 
 
 def test_mismatched_counts_and_short_tables_are_refused():
