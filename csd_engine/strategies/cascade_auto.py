@@ -12,7 +12,9 @@ maximise its expected tokens per cost:
 
 reviews(a, c) = ceil(a / (1 + beta c)) where a step's review rounds end once no row needs more
 (the CPU, Models.trim_drafts); a where the step runs every round its widest row asks for (a GPU's
-step graph, rows that are done masked): there reviewing MaG's tokens saves no forward, so c = 0.
+step graph, rows that are done masked): there reviewing MaG's tokens saves no forward, so c = 0,
+and the plan is K = [[A, M], [0, 0]]: no MaG call below the model, whose reviews are its own
+one-token forwards.
 
 alpha: the row's counted per-token rate at which the target accepts the model's tokens (accepted
 over checked, where a token after a rejection is not checked: the rate the geometric sum
@@ -102,6 +104,8 @@ class AutoCascade:
         check_tree_fits(self.tree, "Cascade.auto(tree=...)", models, neural=len(kinds) == 2)
         a, m = self.max_tokens, self.mag_tokens
         k = ((a, m), (0, m)) if len(kinds) == 2 else ((m,),)
+        if len(kinds) == 2 and not models.trim_drafts:  # every review round runs: c = 0, no MaG level below
+            k = ((a, m), (0, 0))
         plan = compile_plan(k, [kind == "mag" for kind in kinds], m)
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
@@ -123,7 +127,8 @@ class AutoCascadeDecoder(CascadeDecoder):
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
-        self.sub_mag_source = self.neural_source.below.sources[0] if self.neural_source else None
+        below = self.neural_source.below.sources if self.neural_source else ()
+        self.sub_mag_source = below[0] if below else None  # None: the model drafts alone (the device path)
         # the choice grid's host constants (kernels/draft_budget.py: one launch on a GPU)
         self.grid = Grid(config.max_tokens if self.neural_source else 0, mag_tokens, self.tree, model_cost,
                          config.prior, config.prior_rate, stops_early=models.trim_drafts)
@@ -144,6 +149,7 @@ class AutoCascadeDecoder(CascadeDecoder):
             model, (counts.source_accepted[top_mag], counts.source_checked[top_mag]), reviews, siblings), ready)
         if self.neural_source is not None:
             budgets[self.neural_source.index] = torch.where(direct, budgets[self.neural_source.index], pick_a)
+        if self.sub_mag_source is not None:
             caps[self.sub_mag_source.index] = pick_c
         budgets[top_mag] = torch.where(direct, budgets[top_mag], pick_g)
         caps[top_mag] = torch.where(direct, caps[top_mag], pick_g)

@@ -200,10 +200,9 @@ def test_auto_counts_mag_slots_it_left_empty_where_the_target_reads_them(models,
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=32)
     decoder = Cascade.auto().decoder(dataclasses.replace(engine._decoder_models(), trim_drafts=trim))
-    model, sub, mag = decoder.neural_source.index, decoder.sub_mag_source.index, decoder.mag_source.index
-    budgets = [None] * len(decoder.sources)
-    budgets[model], budgets[sub], budgets[mag] = torch.tensor([2, 2, 2]), torch.zeros(3, dtype=torch.int64), \
-        torch.tensor([3, 3, 3])
+    model, mag = decoder.neural_source.index, decoder.mag_source.index
+    budgets = [torch.zeros(3, dtype=torch.int64) for _ in decoder.sources]  # a MaG level below the model: none
+    budgets[model], budgets[mag] = torch.tensor([2, 2, 2]), torch.tensor([3, 3, 3])
     origin = torch.full((3, 6), -1)
     origin[:, :2] = model
     origin[1, 2:5] = mag
@@ -528,11 +527,13 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
     assert budgets[model].tolist() == [6, 6] and caps[decoder.sub_mag_source.index].tolist() == [3, 0]
     # where a step runs every review round its widest row asks for (the device path: no trim), fewer,
-    # wider reviews save no forward: the model drafts alone however many MaG tokens it would take
+    # wider reviews save no forward: the model drafts alone however many MaG tokens it would take, and
+    # its plan has no MaG level below it (no MaG call, one-token reviews)
     device = Cascade.auto(max_tokens=6, model_cost=0.3, width_cost=0.1).decoder(
         dataclasses.replace(engine._decoder_models(), trim_drafts=False))
+    assert device.sub_mag_source is None and device.neural_source.below.sources == ()
     budgets, caps = device.budgets(state, torch.tensor([False, False]))
-    assert budgets[model].tolist() == [6, 6] and caps[device.sub_mag_source.index].tolist() == [0, 0]
+    assert budgets[device.neural_source.index].tolist() == [6, 6]
 
 
 def test_auto_prices_a_review_as_the_models_forward_plus_the_width_increment(models):
