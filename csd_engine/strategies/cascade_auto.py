@@ -5,7 +5,8 @@ K = [[A, M], [0, M]] (A = max_tokens model tokens for the target, then up to M =
 MaG tokens, which MaG proposes only where it matches, at no forward's cost). Before each step a
 row picks the model budget a <= A, the MaG tokens c <= min(M, a - 1) the model reviews at a time
 (c = 0: the model drafts alone, one token per forward) and the top-level MaG budget g <= M that
-maximise its expected tokens per cost:
+maximise its expected tokens per cost (kernels/draft_budget.py evaluates the grid, one launch a
+step on a GPU; choices of equal value go to the fewest drafts):
 
     tokens(a, c, g) = 1 + alpha + ... + alpha^a + alpha^a (gamma + ... + gamma^g)
     cost(a, c, g)   = width(1 + a + g) + reviews(a, c) (c_model + width(1 + c) - 1)
@@ -58,8 +59,8 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import DecodeState, Models, require_one_device
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
+from csd_engine.strategies.base import DecodeState, Models, require_one_device
 from csd_engine.strategies.budget import cost_ratio, width_costs
 from csd_engine.strategies.cascade import CascadeDecoder, check_tree_fits, checked_tree, compile_plan
 
