@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.kernels.mask import attention_mask  # noqa: F401  (re-exported: bench/gpu.py imports it from here)
+from csd_engine.kernels.nonfinite import flag_nonfinite, flag_nonfinite_ref
 from csd_engine.models.cache import KVCache
 
 
@@ -63,5 +64,5 @@ class Runner:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         logits = self.forward(batch)
         if logits is not None and self.nonfinite_rows is not None:
-            self.nonfinite_rows |= ~torch.isfinite(logits).flatten(1).all(1)
+            (flag_nonfinite if logits.is_cuda else flag_nonfinite_ref)(logits, self.nonfinite_rows)
         return logits

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.kernels.commit import commit as commit_rows, commit_ref
 from csd_engine.kernels.random import stream_seed
 from csd_engine.kernels.sampling import processed_ref
 from csd_engine.models.runner import ForwardBatch, Runner
@@ -356,18 +357,8 @@ def roll_back_drafters(drafters, length: torch.Tensor) -> None:
 
 def commit(state: DecodeState, out: StepOutput) -> None:
     """Append [pending, emitted[:-1]] to each active row's committed sequence, in place; the
-    last emitted token becomes pending (and is written after the prefix). Every step ends with it (inside the step, so that the
-    next step's plan can be computed from the committed sequence)."""
-    counts = out.counts * state.active
-    block = torch.cat([state.pending[:, None], out.tokens], dim=1)
-    width = state.tokens.shape[1]
-    col = torch.arange(block.shape[1], device=block.device)[None, :]
-    keep = col < counts[:, None]
-    cols = torch.where(keep, state.committed[:, None] + col, width - 1)  # not kept: the scratch column
-    state.tokens.scatter_(1, cols, block)
-    last = out.tokens.gather(1, (out.counts - 1).clamp(min=0)[:, None])[:, 0]
-    state.pending.copy_(torch.where(state.active, last, state.pending))
-    state.committed += counts
-    # pending also sits in the slot after the committed prefix (the next commit writes it there
-    # again), so a MaG query over tokens[:committed + 1] ends with it
-    state.tokens.scatter_(1, state.committed[:, None].clamp(max=width - 1), state.pending[:, None])
+    last emitted token becomes pending (and is written after the prefix, so that a MaG query over
+    tokens[:committed + 1] ends with it). Every step ends with it (inside the step, so that the
+    next step's plan can be computed from the committed sequence). One launch on a GPU."""
+    run = commit_rows if state.pending.is_cuda else commit_ref
+    run(state.tokens, state.committed, state.pending, out.tokens, out.counts, state.active)
