@@ -11,11 +11,12 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   streams' seed mixing), each some microseconds of host time; of them, strategy kernels: those
   that launch a kernel on a GPU (views and `empty` launch none);
 * calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each), a
-  sampling review's emitted distribution (2), MaG calls (one launch), the self-tuning
-  strategies' draft choice (one launch, kernels/draft_budget.py), drafter forwards (a CUDA-graph
-  replay each when graphed);
+  sampling review's emitted distribution (2), MaG calls (one launch), one-launch kernels whose
+  PyTorch reference the CPU runs (the self-tuning strategies' draft choice,
+  kernels/draft_budget.py; the step's commit, kernels/commit.py; a runner's non-finite check of
+  its logits, kernels/nonfinite.py), drafter forwards (a CUDA-graph replay each when graphed);
 * launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls +
-  draft choices, the kernel launches a step issues besides its model forwards;
+  one-launch kernels, the kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
   widths, padding included), the drafters' share of the step's GPU work.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
@@ -39,12 +40,16 @@ from bench.tiny import perturbed, tiny_qwen2  # noqa: E402
 from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged  # noqa: E402
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.host_reads import is_host_read, reading_python_values  # noqa: E402
-from csd_engine.strategies import cascade_auto, speculative_auto  # noqa: E402
+from csd_engine.models import runner  # noqa: E402
+from csd_engine.strategies import base, cascade_auto, speculative_auto  # noqa: E402
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
 VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
 EMITTED_LAUNCHES = 2  # Triton launches per emitted distribution of a sampling review (kernels/emitted.py)
+# the CPU references of one-launch kernels, by the module that calls them: (module, name)
+ONE_LAUNCH = ((cascade_auto, "draft_budgets_ref"), (speculative_auto, "draft_budgets_ref"), (base, "commit_ref"),
+              (runner, "flag_nonfinite_ref"))
 STRATEGIES = {  # name: (drafters, strategy)
     "autoregressive": ((), Autoregressive()),
     "speculative k=4": (("d1",), Speculative(k=4)),
@@ -66,9 +71,9 @@ MODES = {"greedy": dict(), "top-k/top-p": dict(temperature=0.8, top_k=20, top_p=
 
 class Counting(TorchDispatchMode):
     """Counts every op dispatched while a step or plan runs, by the call it runs in: a model
-    forward, a verifier call or a MaG proposal (each one graph replay or Triton launch on a GPU),
-    or none of them: the strategy's own ops, wherever they are written (the engine's helpers, a
-    runner's non-finite check, the random streams' seed mixing)."""
+    forward, a verifier call, a MaG proposal or a one-launch kernel's reference (each one graph
+    replay or one or a few Triton launches on a GPU), or none of them: the strategy's own ops,
+    wherever they are written (the engine's helpers, the random streams' seed mixing)."""
 
     def __init__(self, counts: Counter, context: list):
         super().__init__()
@@ -114,9 +119,9 @@ class Counted:
 
 def count_calls(engine: Engine, counts: Counter, context: list):
     """Marks the calls that run as whole kernels on a GPU (model forwards, verifier calls, MaG
-    proposals, draft choices) as the context of the ops inside them, and counts them and the
+    proposals, ONE_LAUNCH) as the context of the ops inside them, and counts them and the
     drafters' forward widths (inside steps and plans only: not prefills). Returns what undoes
-    the module-level wraps (the draft choice's)."""
+    the module-level wraps (ONE_LAUNCH's)."""
     def wrap(obj, name, part, count=None):
         original = getattr(obj, name)
 
@@ -134,16 +139,16 @@ def count_calls(engine: Engine, counts: Counter, context: list):
         wrap(engine.verifier, name, "verify", lambda *a: counts.update(["verifier_calls"]))
     wrap(engine.verifier, "emitted_distribution", "verify", lambda *a: counts.update(["emitted_calls"]))
     wrap(engine.target, "forward", "model")
-    originals = [(module, module.draft_budgets_ref) for module in (cascade_auto, speculative_auto)]
-    for module, _ in originals:  # the CPU's reference of what is one launch on a GPU
-        wrap(module, "draft_budgets_ref", "budget", lambda *a: counts.update(["budget_calls"]))
+    originals = [(module, name, getattr(module, name)) for module, name in ONE_LAUNCH]
+    for module, name, _ in originals:  # the CPU's reference of what is one launch on a GPU
+        wrap(module, name, "one_launch", lambda *a: counts.update(["one_launch_calls"]))
     for drafter in engine.drafters:
         if isinstance(drafter, MaG):
             for method in ("propose", "extend"):  # one launch each on a GPU (extend writes in the same)
                 wrap(drafter, method, "mag", lambda *a: counts.update(["mag_calls"]))
         else:
             wrap(drafter, "forward", "model", lambda batch: counts.update({"drafter_tokens": batch.input_ids.shape[1]}))
-    return lambda: [setattr(module, "draft_budgets_ref", original) for module, original in originals]
+    return lambda: [setattr(module, name, original) for module, name, original in originals]
 
 
 def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict:
@@ -164,15 +169,15 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps
                 for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "emitted_calls",
-                            "mag_calls", "budget_calls", "drafter_tokens")}
+                            "mag_calls", "one_launch_calls", "drafter_tokens")}
     per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
                             + EMITTED_LAUNCHES * per_step["emitted_calls"] + per_step["mag_calls"]
-                            + per_step["budget_calls"])
+                            + per_step["one_launch_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],
                 host_reads_per_step=per_step["host_reads"], strategy_ops_per_step=per_step["strategy"],
                 strategy_kernels_per_step=per_step["strategy_kernels"],
                 verifier_calls_per_step=per_step["verifier_calls"], emitted_calls_per_step=per_step["emitted_calls"],
-                mag_calls_per_step=per_step["mag_calls"],
+                mag_calls_per_step=per_step["mag_calls"], one_launch_calls_per_step=per_step["one_launch_calls"],
                 drafter_forwards_per_step=sum(first.drafter_forwards) / max(first.target_forwards, 1),
                 drafter_tokens_per_step=per_step["drafter_tokens"],
                 launches_per_step=per_step["launches"],
@@ -206,6 +211,7 @@ def main(argv=None):
                        ("strategy_kernels_per_step", "of them kernels", ".0f"),
                        ("verifier_calls_per_step", "verify calls", ".1f"),
                        ("emitted_calls_per_step", "emitted", ".1f"), ("mag_calls_per_step", "MaG calls", ".1f"),
+                       ("one_launch_calls_per_step", "one-launch", ".1f"),
                        ("drafter_forwards_per_step", "drafter fwd", ".1f"),
                        ("drafter_tokens_per_step", "drafter tokens", ".1f"),
                        ("launches_per_step", "launches", ".0f")])
