@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from csd_engine.kernels import use_kernels
+
 BACKENDS = ("triton", "torch")
 REFERENCE_HINTS = ("filtered", "max_top_k", "all_greedy")  # host-known hints only the PyTorch references take
 KERNEL_KNOBS = ("splits",)  # launch settings only the kernels take
@@ -46,9 +48,10 @@ class Verifier:
 
     def emitted_distribution(self, logits, *args, **kwargs):
         """kernels.emitted semantics: the two-launch kernel on a GPU (the Triton backend), the
-        PyTorch reference elsewhere (interpreted, the kernel would slow every sampling test)."""
+        PyTorch reference elsewhere (interpreted, the kernel would slow every sampling test;
+        kernels.use_kernels)."""
         from csd_engine.kernels import emitted
-        kernel = self.backend == "triton" and logits.is_cuda
+        kernel = self.backend == "triton" and use_kernels(logits)
         return (emitted.emitted_distribution if kernel else emitted.emitted_distribution_ref)(logits, *args, **kwargs)
 
     def tree(self, logits, *args, **kwargs):

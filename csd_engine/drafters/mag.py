@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.mag import mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
 
 
@@ -88,8 +89,7 @@ class MaG:
         propose nothing. Out-of-range values are clamped, never read out of bounds.
         """
         self._check(tokens, end, history_end, m, search_bound)
-        # The kernels on CUDA only: interpreted, a call takes seconds (tests/kernels/test_mag.py checks them).
-        propose = mag_propose if tokens.is_cuda else mag_propose_ref
+        propose = mag_propose if use_kernels(tokens) else mag_propose_ref
         tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
         return MaGProposal(*propose(tokens, end, history_end, m, *self._settings(tokens, search_bound)))
 
@@ -109,7 +109,7 @@ class MaG:
                                 f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
         if tokens.stride(1) != 1:
             raise ValueError("tokens must be contiguous along its columns (stride 1): extend writes into it")
-        extend = mag_extend if tokens.is_cuda else mag_extend_ref
+        extend = mag_extend if use_kernels(tokens) else mag_extend_ref
         *proposal, new_end = extend(tokens, end, history_end, m, *self._settings(tokens, search_bound), cap, rows, goal)
         return MaGProposal(*proposal), new_end
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.mask import attention_mask  # noqa: F401  (re-exported: bench/gpu.py imports it from here)
 from csd_engine.kernels.nonfinite import flag_nonfinite, flag_nonfinite_ref
 from csd_engine.models.cache import KVCache
@@ -64,5 +65,5 @@ class Runner:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         logits = self.forward(batch)
         if logits is not None and self.nonfinite_rows is not None:
-            (flag_nonfinite if logits.is_cuda else flag_nonfinite_ref)(logits, self.nonfinite_rows)
+            (flag_nonfinite if use_kernels(logits) else flag_nonfinite_ref)(logits, self.nonfinite_rows)
         return logits

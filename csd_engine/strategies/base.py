@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.commit import commit as commit_rows, commit_ref
 from csd_engine.kernels.random import stream_seed
 from csd_engine.kernels.sampling import processed_ref
@@ -360,5 +361,5 @@ def commit(state: DecodeState, out: StepOutput) -> None:
     last emitted token becomes pending (and is written after the prefix, so that a MaG query over
     tokens[:committed + 1] ends with it). Every step ends with it (inside the step, so that the
     next step's plan can be computed from the committed sequence). One launch on a GPU."""
-    run = commit_rows if state.pending.is_cuda else commit_ref
+    run = commit_rows if use_kernels(state.pending) else commit_ref
     run(state.tokens, state.committed, state.pending, out.tokens, out.counts, state.active)

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
 from csd_engine.strategies.budget import cost_ratio, width_costs
@@ -145,7 +146,7 @@ class AutoCascadeDecoder(CascadeDecoder):
         model = None if neural is None else (counts.source_accepted[neural.index], counts.source_checked[neural.index])
         reviews = (counts.level_accepted[1], counts.level_drafted[1]) if neural and self.grid.stops_early else None
         siblings = (counts.sibling_accepted, counts.sibling_checked) if self.tree else None
-        choose = draft_budgets if state.pending.is_cuda else draft_budgets_ref
+        choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref
         pick_t, pick_a, pick_c, pick_g = choose(self.grid, self.width_costs, Counts(
             model, (counts.source_accepted[top_mag], counts.source_checked[top_mag]), reviews, siblings), ready)
         if self.neural_source is not None:

@@ -20,6 +20,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
                                         roll_back_drafters, verify_chain)
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
 from csd_engine.strategies.budget import cost_ratio, width_costs
 from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
@@ -73,7 +74,7 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         """[B] each active row's draft length for the next step (0 for the others): the plan's
         second column, which the step reads on the device (state.plan)."""
         counts = Counts((state.metrics.source_accepted[0], state.metrics.source_checked[0]), None, None, None)
-        choose = draft_budgets if state.pending.is_cuda else draft_budgets_ref  # one launch on a GPU
+        choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref  # one launch on a GPU
         return choose(self.grid, self.width_costs, counts)[1] * state.active
 
     def plan(self, state: DecodeState) -> torch.Tensor:
