@@ -55,7 +55,7 @@ if [ "$what" = open ]; then
       2>&1 | tee "$OUT/gpu.log" | grep -v '^\['
   left=$(( ${SESSION_S:-420} - ($(date +%s) - start) ))
   [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \
-      tests/kernels/test_commit.py tests/kernels/test_nonfinite.py \
+      tests/kernels/test_commit.py tests/kernels/test_nonfinite.py tests/kernels/test_review.py \
       tests/strategies/test_host_reads.py::test_a_step_never_synchronises_on_cuda \
       tests/strategies/test_step_graphs.py::test_real_cuda_graphs_equal_eager_steps \
       tests/kernels/test_mag.py tests/drafters/test_mag.py::test_extend_runs_in_a_cuda_graph_and_matches_the_reference \

@@ -14,7 +14,8 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   sampling review's emitted distribution (2), MaG calls (one launch), one-launch kernels whose
   PyTorch reference the CPU runs (the self-tuning strategies' draft choice,
   kernels/draft_budget.py; the step's commit, kernels/commit.py; a runner's non-finite check of
-  its logits, kernels/nonfinite.py), drafter forwards (a CUDA-graph replay each when graphed);
+  its logits, kernels/nonfinite.py; a cascade review's bookkeeping, kernels/review.py), drafter
+  forwards (a CUDA-graph replay each when graphed);
 * launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls +
   one-launch kernels, the kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
@@ -41,7 +42,7 @@ from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, S
 from csd_engine.drafters.mag import MaG  # noqa: E402
 from csd_engine.host_reads import is_host_read, reading_python_values  # noqa: E402
 from csd_engine.models import runner  # noqa: E402
-from csd_engine.strategies import base, cascade_auto, speculative_auto  # noqa: E402
+from csd_engine.strategies import base, cascade, cascade_auto, speculative_auto  # noqa: E402
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
@@ -49,7 +50,7 @@ VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py
 EMITTED_LAUNCHES = 2  # Triton launches per emitted distribution of a sampling review (kernels/emitted.py)
 # the CPU references of one-launch kernels, by the module that calls them: (module, name)
 ONE_LAUNCH = ((cascade_auto, "draft_budgets_ref"), (speculative_auto, "draft_budgets_ref"), (base, "commit_ref"),
-              (runner, "flag_nonfinite_ref"))
+              (runner, "flag_nonfinite_ref"), (cascade, "review_bookkeeping_ref"))
 STRATEGIES = {  # name: (drafters, strategy)
     "autoregressive": ((), Autoregressive()),
     "speculative k=4": (("d1",), Speculative(k=4)),

@@ -168,6 +168,12 @@ class StepMetrics:
             if per_position is not None:
                 per_position.masked_fill_(rows[:, None], 0)
 
+    def counters(self, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [B] accepted and drafted counters of the reviews at `level`, for a caller that adds
+        to them in place (as `record` does)."""
+        self.levels.add(level)
+        return self.level_accepted[level], self.level_drafted[level]
+
     def record_sources(self, origin: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor,
                        active: torch.Tensor, sources) -> None:
         """Per source, the target's verdicts on its tokens in one check: origin [B, W] source

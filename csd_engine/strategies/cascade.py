@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.kernels import use_kernels
 from csd_engine.kernels.random import stream_seed
+from csd_engine.kernels.review import review_bookkeeping, review_bookkeeping_ref
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
 from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, one_hot,
@@ -442,15 +444,16 @@ class CascadeDecoder(Decoder):
         if work.seeds is not None:
             work.reviews += need
         accepted = res.num_accepted  # 0 where drafted is (rows not in need)
-        end = mark + accepted  # the correction / bonus slot
-        new_mark = end + need  # rows not in need accepted nothing: end is their mark
-        model.cache.reset(new_mark - 1)  # every row was fed up to sub_len >= end (feed_from <= mark - 1)
         state.metrics.count_drafter(source.drafter)
-        state.metrics.record(source.drafter + 1, accepted, drafted, None)
-        at = torch.where(need, end, self.scratch_column)  # rows not in need: the scratch column, past any cache
-        if work.q is None and work.origin is None:  # the accepted tokens are in place: write the correction only
-            state.tokens.scatter_(1, at[:, None], res.next_token[:, None])
-        else:
+        # new_mark = mark + accepted + need; the cache keeps new_mark - 1 (every row was fed up to
+        # sub_len >= mark + accepted); at: the correction's slot, the scratch column where not in need.
+        # Greedy, the accepted tokens are in place: only the correction is written
+        in_place = work.q is None and work.origin is None
+        bookkeeping = review_bookkeeping if use_kernels(accepted) else review_bookkeeping_ref
+        new_mark, at = bookkeeping(mark, accepted, drafted, need, model.cache.lengths,
+                                   *state.metrics.counters(source.drafter + 1), state.tokens, self.models.capacity,
+                                   res.next_token if in_place else None)
+        if not in_place:
             e = None if work.q is None else self.models.verifier.emitted_distribution(
                 logits, drafts, drafted, q, state.temperature, state.top_k, state.top_p, self.lenience, res,
                 check_values=False)
