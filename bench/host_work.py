@@ -6,18 +6,18 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
 * host reads: ops that move values to Python (`.item()`, `bool(t)`, `nonzero`, `.tolist()`,
   ...) inside the step. The design is 0 (the engine's one `read_host` per step is outside it);
   tests/strategies/test_host_reads.py asserts it, this table shows it;
-* strategy ops: tensor ops a step dispatches outside its model forwards, verifier calls and MaG
-  proposals (the strategy's code, the engine's helpers, a runner's non-finite check, the random
+* strategy ops: tensor ops a step dispatches outside its model forwards, verifier calls, MaG
+  proposals and one-launch kernels (the strategy's code, the engine's helpers, the random
   streams' seed mixing), each some microseconds of host time; of them, strategy kernels: those
   that launch a kernel on a GPU (views and `empty` launch none);
-* calls of what runs as whole kernels on a GPU: verifier calls (4 Triton launches each), a
-  sampling review's emitted distribution (2), MaG calls (one launch), one-launch kernels whose
-  PyTorch reference the CPU runs (the self-tuning strategies' draft choice,
-  kernels/draft_budget.py; the step's commit, kernels/commit.py; a runner's non-finite check of
-  its logits, kernels/nonfinite.py; a cascade review's bookkeeping, kernels/review.py), drafter
-  forwards (a CUDA-graph replay each when graphed);
-* launches: strategy kernels + 4 x verifier calls + 2 x emitted distributions + MaG calls +
-  one-launch kernels, the kernel launches a step issues besides its model forwards;
+* calls of what runs as whole kernels on a GPU: verifier calls (a chain's 4 Triton launches, 3
+  when every row is greedy; a tree's 2), a sampling review's emitted distribution (2), MaG calls
+  (one launch), one-launch kernels whose PyTorch reference the CPU runs (ONE_LAUNCH: the
+  self-tuning strategies' draft choice, kernels/draft_budget.py; the step's commit,
+  kernels/commit.py; a runner's non-finite check of its logits, kernels/nonfinite.py; a cascade
+  review's bookkeeping, kernels/review.py), drafter forwards (a CUDA-graph replay each when graphed);
+* launches: strategy kernels + the verifier calls' launches + 2 x emitted distributions + MaG
+  calls + one-launch kernels, the kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
   widths, padding included), the drafters' share of the step's GPU work.
 Tiny random models: the counts depend on the strategy's configuration, not on model size.
@@ -46,7 +46,9 @@ from csd_engine.strategies import base, cascade, cascade_auto, speculative_auto 
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided}  # allocations; views are found by `is_view`
-VERIFY_LAUNCHES = 4  # Triton launches per chain verification (kernels/verify.py)
+# launches per chain verification (kernels/verify.py): 4 Triton kernels, 3 when every row is greedy
+VERIFY_LAUNCHES = {"greedy": 3, "top-k/top-p": 4}
+TREE_LAUNCHES = 2  # per tree verification (kernels/tree_verify.py): its kernel and the fill of accepted_nodes
 EMITTED_LAUNCHES = 2  # Triton launches per emitted distribution of a sampling review (kernels/emitted.py)
 # the CPU references of one-launch kernels, by the module that calls them: (module, name)
 ONE_LAUNCH = ((cascade_auto, "draft_budgets_ref"), (speculative_auto, "draft_budgets_ref"), (base, "commit_ref"),
@@ -136,8 +138,8 @@ def count_calls(engine: Engine, counts: Counter, context: list):
                 context.pop()
         setattr(obj, name, wrapped)
 
-    for name in ("chain", "tree"):
-        wrap(engine.verifier, name, "verify", lambda *a: counts.update(["verifier_calls"]))
+    wrap(engine.verifier, "chain", "verify", lambda *a: counts.update(["verifier_calls"]))
+    wrap(engine.verifier, "tree", "verify", lambda *a: counts.update(["verifier_calls", "tree_calls"]))
     wrap(engine.verifier, "emitted_distribution", "verify", lambda *a: counts.update(["emitted_calls"]))
     wrap(engine.target, "forward", "model")
     originals = [(module, name, getattr(module, name)) for module, name in ONE_LAUNCH]
@@ -170,8 +172,10 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
     first = results[0].metrics  # every row runs to max_new_tokens (ignore_eos): row 0 stands for all
     per_step = {key: counts[key] / steps
                 for key in ("host_reads", "strategy", "strategy_kernels", "verifier_calls", "emitted_calls",
-                            "mag_calls", "one_launch_calls", "drafter_tokens")}
-    per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES * per_step["verifier_calls"]
+                            "tree_calls", "mag_calls", "one_launch_calls", "drafter_tokens")}
+    chains = per_step["verifier_calls"] - per_step["tree_calls"]
+    per_step["launches"] = (per_step["strategy_kernels"] + VERIFY_LAUNCHES[mode] * chains
+                            + TREE_LAUNCHES * per_step["tree_calls"]
                             + EMITTED_LAUNCHES * per_step["emitted_calls"] + per_step["mag_calls"]
                             + per_step["one_launch_calls"])
     return dict(strategy=name, batch=batch, mode=mode, steps=counts["steps"],

@@ -13,7 +13,7 @@ import torch
 from csd_engine.kernels import use_kernels
 
 BACKENDS = ("triton", "torch")
-REFERENCE_HINTS = ("filtered", "max_top_k", "all_greedy")  # host-known hints only the PyTorch references take
+REFERENCE_HINTS = ("filtered", "max_top_k")  # host-known hints only the PyTorch references take
 KERNEL_KNOBS = ("splits",)  # launch settings only the kernels take
 
 

@@ -19,14 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import MAX_BLOCK_V, lenience_rows, load_p, load_q, one_hot, probs_ref, residual_parts, residual_ref
+from .sampling import (MAX_BLOCK_V, lenience_args, lenience_rows, load_p, load_q, one_hot, probs_ref, residual_parts,
+                       residual_ref, row_lenience)
 from .verify import VerifyResult, check_inputs
 
 
 @triton.jit
 def _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr, stride_db,
-           num_drafts_ptr, temperature_ptr, lenience_ptr, threshold_ptr, lse_ptr, row, j, K, V, start,
-           HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+           num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, row, j, K, V, start,
+           HAS_Q: tl.constexpr, PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One vocabulary block of p_j, a_j and r_j, and the row's facts (sampling, drafted, token)."""
     temperature = tl.load(temperature_ptr + row)
     sampling = temperature > 0
@@ -38,20 +39,21 @@ def _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_
     offs, in_row, _, _, p = load_p(logits_ptr + row * stride_lb + j * stride_lj, start, V, divisor, threshold, lse,
                                    BLOCK_V)
     q = load_q(q_ptr + row * stride_qb + j * stride_qj, offs, in_row, drafted, token, HAS_Q)
-    a, r = residual_parts(p, q, tl.load(lenience_ptr + row))
+    a, r = residual_parts(p, q, row_lenience(lenience_ptr, lenience_value, row, PER_ROW_LENIENCE))
     return offs, in_row, p, a, r, sampling, drafted, token
 
 
 @triton.jit
 def _emitted_sums_kernel(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr, stride_db,
-                 num_drafts_ptr, temperature_ptr, lenience_ptr, threshold_ptr, lse_ptr, sums_ptr, K, V, BLOCKS,
-                 HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+                 num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, sums_ptr, K, V,
+                 BLOCKS, HAS_Q: tl.constexpr, PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr):
     pid = tl.program_id(0)  # row * (K + 1) + j
     block = tl.program_id(1)
     row, j = pid // (K + 1), pid % (K + 1)
     _, _, _, a, r, _, _, _ = _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr,
-                                    stride_db, num_drafts_ptr, temperature_ptr, lenience_ptr, threshold_ptr, lse_ptr,
-                                    row, j, K, V, block * BLOCK_V, HAS_Q, BLOCK_V)
+                                    stride_db, num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value,
+                                    threshold_ptr, lse_ptr, row, j, K, V, block * BLOCK_V, HAS_Q, PER_ROW_LENIENCE,
+                                    BLOCK_V)
     out = sums_ptr + (pid * BLOCKS + block) * 2
     tl.store(out, tl.sum(a, 0))
     tl.store(out + 1, tl.sum(r, 0))
@@ -59,15 +61,16 @@ def _emitted_sums_kernel(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, str
 
 @triton.jit
 def _emitted_write_kernel(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr, stride_db,
-                  num_drafts_ptr, temperature_ptr, lenience_ptr, threshold_ptr, lse_ptr, sums_ptr, accepted_ptr,
-                  next_token_ptr, out_ptr, K, V, BLOCKS, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr,
-                  BLOCKS_POW2: tl.constexpr):
+                  num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, sums_ptr,
+                  accepted_ptr, next_token_ptr, out_ptr, K, V, BLOCKS, HAS_Q: tl.constexpr,
+                  PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_POW2: tl.constexpr):
     pid = tl.program_id(0)
     block = tl.program_id(1)
     row, j = pid // (K + 1), pid % (K + 1)
     offs, in_row, p, a, r, sampling, drafted, token = _block(
         logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr, stride_db, num_drafts_ptr,
-        temperature_ptr, lenience_ptr, threshold_ptr, lse_ptr, row, j, K, V, block * BLOCK_V, HAS_Q, BLOCK_V)
+        temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, row, j, K, V, block * BLOCK_V, HAS_Q,
+        PER_ROW_LENIENCE, BLOCK_V)
     blocks = tl.arange(0, BLOCKS_POW2)
     sums = sums_ptr + (pid * BLOCKS + blocks) * 2
     accepted_mass = tl.sum(tl.load(sums, mask=blocks < BLOCKS, other=0.0), 0)
@@ -99,14 +102,17 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     blocks = triton.cdiv(vocab, block_v)
     sums = torch.empty(batch * positions, blocks, 2, dtype=torch.float32, device=device)
+    *lenience_ptr_value, per_row = lenience_args(lenience, result.lse)
     out = torch.empty(batch, positions, vocab, dtype=torch.float32, device=device)
     rows = (logits, logits.stride(0), logits.stride(1), q, q.stride(0), q.stride(1), draft_tokens,
-            draft_tokens.stride(0), num_drafts, temperature.float(), lenience_rows(lenience, batch, device),
+            draft_tokens.stride(0), num_drafts, temperature.float(), *lenience_ptr_value,
             result.threshold.contiguous(), result.lse.contiguous())
     grid = (batch * positions, blocks)
-    _emitted_sums_kernel[grid](*rows, sums, positions - 1, vocab, blocks, HAS_Q=has_q, BLOCK_V=block_v)
+    _emitted_sums_kernel[grid](*rows, sums, positions - 1, vocab, blocks, HAS_Q=has_q, PER_ROW_LENIENCE=per_row,
+                               BLOCK_V=block_v)
     _emitted_write_kernel[grid](*rows, sums, result.num_accepted, result.next_token, out, positions - 1, vocab, blocks,
-                        HAS_Q=has_q, BLOCK_V=block_v, BLOCKS_POW2=triton.next_power_of_2(blocks))
+                        HAS_Q=has_q, PER_ROW_LENIENCE=per_row, BLOCK_V=block_v,
+                        BLOCKS_POW2=triton.next_power_of_2(blocks))
     return out
 
 

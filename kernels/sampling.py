@@ -430,6 +430,23 @@ def probs_ref(z: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor) -> to
     return torch.where(z >= threshold[..., None], torch.exp(z - lse[..., None]), 0.0)
 
 
+@triton.jit
+def row_lenience(lenience_ptr, lenience, row, PER_ROW: tl.constexpr):
+    """Row `row`'s lenience: from the [B] tensor where it is given per row, else the scalar."""
+    if PER_ROW:
+        return tl.load(lenience_ptr + row)
+    else:
+        return lenience
+
+
+def lenience_args(lenience: float | torch.Tensor, placeholder: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """(pointer, scalar, per_row) for row_lenience: a [B] tensor by pointer, a float as a kernel
+    argument (no fill launch per call); `placeholder` is any tensor on the device, never read."""
+    if isinstance(lenience, torch.Tensor):
+        return lenience.to(torch.float32).contiguous(), 1.0, True
+    return placeholder, float(lenience), False
+
+
 def lenience_rows(lenience: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """float or [B] -> [B] float32 on the device (a fill, not a copy: no transfer, graph-safe)."""
     if isinstance(lenience, torch.Tensor):

@@ -206,7 +206,7 @@ def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_
 
 def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
                 temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                offset: torch.Tensor, *, check_values: bool = True) -> TreeVerifyResult:
+                offset: torch.Tensor, *, all_greedy: bool | None = None, check_values: bool = True) -> TreeVerifyResult:
     """Verify one token tree per row; see the module docstring for the rule.
 
     logits       [B, N, V] float  target logits at every node (fp32 / bf16 / fp16)
@@ -216,6 +216,7 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     temperature  [B] float (0 = greedy), top_k [B] int (0 = off), top_p [B] float (1 = off)
     seed, offset [B] int64 counter-based randomness: depth d uses counter offset + d
     check_values False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
+    all_greedy   the references' hint, taken and unused: the one launch is the same either way
     Returns TreeVerifyResult(num_accepted [B] int64, accepted_nodes [B, N] int64, next_token [B] int64).
 
     One program per row walks the tree; the residual p' lives in a float32 workspace [B, V]

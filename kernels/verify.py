@@ -17,7 +17,8 @@ argmax_y z_y + gumbel(seed, offset + n, 1 + y) over the kept y.
 Greedy rows (T = 0): accept x_j while x_j == argmax logits[b, j] (first index on ties) or, with
 l_b > 1, l_b * softmax(logits[b, j])[x_j] > q_j(x_j); emit the argmax where that fails or at n.
 
-Kernel: four launches, grids from shapes only (CUDA-graph capturable, no host reads). A split is
+Kernel: four launches (three when the caller promises every row greedy), grids from shapes only
+(CUDA-graph capturable, no host reads; a float lenience goes as a kernel argument). A split is
 one of S contiguous slices of the vocabulary; S is chosen from B * (k+1) so that small batches
 still fill the GPU (S = 1 at large batch).
 * `_stats_kernel`, grid (B, k+1, S): per split, an online max / sum / min / argmax and, at the
@@ -27,7 +28,7 @@ still fill the GPU (S = 1 at large batch).
   per-row search, only on filtered rows) and stores lse, threshold and the accept test of x_j.
 * `_emit_split_kernel`, grid (B, S): the first rejected position from the stored tests, then,
   only where a sampling row needs it (residual at a rejection, filtered bonus), the split's
-  candidates of the residual and of p.
+  candidates of the residual and of p. Not launched with all_greedy.
 * `_emit_kernel`, grid (B,): merges those candidates into next_token.
 A Gumbel-max over the whole row is the max over the splits' maxima with ties to the earlier
 split, so every token is the one a single sweep draws. No [B, k+1, V] tensor is ever written.
@@ -40,8 +41,9 @@ import triton.language as tl
 
 from .random import gumbel, gumbel_ref, uniform, uniform_ref
 from .sampling import (MAX_BLOCK_V, NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update,
-                       lenience_rows, load_p, load_q, merge_argmax, merge_stats, one_hot, probs_ref, processed_ref,
-                       residual_parts, residual_ref, resolve_filtered, row_cutoff, row_settings, row_stats)
+                       lenience_args, lenience_rows, load_p, load_q, merge_argmax, merge_stats, one_hot, probs_ref,
+                       processed_ref, residual_parts, residual_ref, resolve_filtered, row_cutoff, row_lenience,
+                       row_settings, row_stats)
 
 MIN_SPLIT = 2048  # vocabulary entries per split at least (auto splits): a program's sweep stays worth a launch
 PROGRAMS_PER_SM = 4  # auto splits aim at this many programs per SM for the statistics sweep
@@ -84,9 +86,10 @@ def _stats_kernel(logits_ptr, stride_lb, stride_lj, num_drafts_ptr, temperature_
 @triton.jit
 def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
                      draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr,
-                     offset_ptr, lenience_ptr, split_values_ptr, split_indices_ptr, lse_ptr, threshold_ptr,
-                     accepted_ptr, token_ptr, scratch_ptr, stride_s, V, K, SPLITS, HAS_DRAFT_PROBS: tl.constexpr,
-                     SPLITS_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                     offset_ptr, lenience_ptr, lenience_value, split_values_ptr, split_indices_ptr, lse_ptr,
+                     threshold_ptr, accepted_ptr, token_ptr, scratch_ptr, stride_s, V, K, SPLITS,
+                     HAS_DRAFT_PROBS: tl.constexpr, PER_ROW_LENIENCE: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+                     SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     position = tl.program_id(1)
     num_drafts = tl.minimum(tl.load(num_drafts_ptr + row).to(tl.int32), K)
@@ -117,7 +120,7 @@ def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_
         # The token emitted here if no draft before it is rejected; -1: the emit kernels draw it.
         tl.store(token_ptr + out, tl.where(sampling, tl.where(fused_bonus, sample, -1), argmax))
         if position < num_drafts:
-            lenience = tl.load(lenience_ptr + row)
+            lenience = row_lenience(lenience_ptr, lenience_value, row, PER_ROW_LENIENCE)
             token = tl.load(draft_tokens_ptr + row * stride_db + position)
             z_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), divisor)
             p_token = tl.where(z_token >= threshold, tl.exp(z_token - lse), 0.0)
@@ -128,6 +131,10 @@ def _position_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_
             sampled_accept = u * q_token < lenience * p_token
             greedy_accept = (token == argmax) | ((lenience > 1.0) & (lenience * p_token > q_token))
             tl.store(accepted_ptr + out, tl.where(sampling, sampled_accept, greedy_accept).to(tl.int8))
+    else:  # past the draft: lse and threshold hold 0 (VerifyResult)
+        out = row * (K + 1) + position
+        tl.store(lse_ptr + out, 0.0)
+        tl.store(threshold_ptr + out, 0.0)
 
 
 @triton.jit
@@ -149,9 +156,9 @@ def _emit_position(accepted_ptr, num_drafts_ptr, token_ptr, temperature_ptr, row
 @triton.jit
 def _emit_split_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, stride_db, num_drafts_ptr,
                        draft_probs_ptr, stride_qb, stride_qj, temperature_ptr, seed_ptr, offset_ptr, lenience_ptr,
-                       lse_ptr, threshold_ptr, accepted_ptr, token_ptr, emit_values_ptr, emit_indices_ptr, V, K,
-                       CHUNK, SPLITS, HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr,
-                       POSITIONS_BLOCK: tl.constexpr):
+                       lenience_value, lse_ptr, threshold_ptr, accepted_ptr, token_ptr, emit_values_ptr,
+                       emit_indices_ptr, V, K, CHUNK, SPLITS, HAS_DRAFT_PROBS: tl.constexpr,
+                       PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr, POSITIONS_BLOCK: tl.constexpr):
     """Per split: Gumbel-max candidates of the residual r at a rejected draft and of p (the bonus,
     or where r vanished)."""
     row = tl.program_id(0).to(tl.int64)
@@ -166,7 +173,7 @@ def _emit_split_kernel(logits_ptr, stride_lb, stride_lj, draft_tokens_ptr, strid
         divisor = tl.load(temperature_ptr + row)
         lse = tl.load(lse_ptr + out)
         threshold = tl.load(threshold_ptr + out)
-        lenience = tl.load(lenience_ptr + row)
+        lenience = row_lenience(lenience_ptr, lenience_value, row, PER_ROW_LENIENCE)
         seed = tl.load(seed_ptr + row)
         counter = tl.load(offset_ptr + row) + emit_at
         lo = split * CHUNK
@@ -273,8 +280,9 @@ def split_plan(batch: int, positions: int, vocab: int, splits: int | None = None
 def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
            draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seed: torch.Tensor, offset: torch.Tensor, lenience: float | torch.Tensor = 1.0, *,
-           splits: int | None = None, check_values: bool = True) -> VerifyResult:
-    """Verify a batch of ragged draft chains in four Triton launches; the rule is in the module docstring.
+           splits: int | None = None, all_greedy: bool = False, check_values: bool = True) -> VerifyResult:
+    """Verify a batch of ragged draft chains in four Triton launches (three with all_greedy); the
+    rule is in the module docstring.
 
     logits        [B, k+1, V] float   reviewer logits (any float dtype; fp32 math); k may be 0
     draft_tokens  [B, k]      int     draft j of row b; positions >= num_drafts[b] are ignored
@@ -284,6 +292,8 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     seed, offset  [B] int64   position j draws from counter offset + j
     lenience      float >= 1 for every row, or [B] float (each >= 1), one per row
     splits        vocabulary splits per (row, position): None = from the shapes (split_plan), an int forces it
+    all_greedy    host-known promise that every row has temperature 0: the emit-split sweep, which only
+                  sampling rows need, is not launched
     check_values  False skips the value checks on CPU tensors (on CUDA they never run: a host sync)
     Returns VerifyResult: num_accepted [B] int64, next_token [B] int64, lse / threshold [B, k+1] float32.
     Grids and workspaces depend on shapes only, so a call can be captured in a CUDA graph.
@@ -301,15 +311,15 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
     num_drafts = num_drafts.contiguous()
     temperature = temperature.to(torch.float32).contiguous()
     seed, offset = seed.to(torch.int64).contiguous(), offset.to(torch.int64).contiguous()
-    lenience = lenience_rows(lenience, batch, device)
+    lenience_ptr, lenience_value, per_row_lenience = lenience_args(lenience, temperature)
     num_splits, chunk, block_v = split_plan(batch, positions, vocab, splits, device)
     splits_block = triton.next_power_of_2(num_splits)
     _, search_block, search_warps = block_sizes(vocab)
     sweep_warps = max(1, min(8, block_v // 256))
     split_values = torch.empty(batch, positions, 4, num_splits, dtype=torch.float32, device=device)
     split_indices = torch.empty(batch, positions, 2, num_splits, dtype=torch.int32, device=device)
-    lse = torch.zeros(batch, positions, dtype=torch.float32, device=device)
-    threshold = torch.zeros(batch, positions, dtype=torch.float32, device=device)
+    lse = torch.empty(batch, positions, dtype=torch.float32, device=device)  # every entry written (0 past the draft)
+    threshold = torch.empty(batch, positions, dtype=torch.float32, device=device)
     accepted = torch.empty(batch, positions, dtype=torch.int8, device=device)
     token = torch.empty(batch, positions, dtype=torch.int32, device=device)
     emit_values = torch.empty(batch, 2, num_splits, dtype=torch.float32, device=device)
@@ -326,13 +336,16 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.T
         vocab, positions - 1, chunk, num_splits, BLOCK_V=block_v, num_warps=sweep_warps)
     scratch = cutoff_workspace(batch * positions, vocab, device)
     _position_kernel[(batch, positions)](
-        *row_inputs, *settings, seed, offset, lenience, split_values, split_indices, lse, threshold, accepted, token,
-        scratch, scratch.stride(0), vocab, positions - 1, num_splits, HAS_DRAFT_PROBS=has_draft_probs, SPLITS_BLOCK=splits_block,
-        SEARCH_BLOCK=search_block, NUM_PIVOTS=NUM_PIVOTS, num_warps=search_warps)
-    _emit_split_kernel[(batch, num_splits)](
-        *row_inputs, temperature, seed, offset, lenience, lse, threshold, accepted, token, emit_values, emit_indices,
-        vocab, positions - 1, chunk, num_splits, HAS_DRAFT_PROBS=has_draft_probs, BLOCK_V=block_v,
-        POSITIONS_BLOCK=positions_block, num_warps=sweep_warps)
+        *row_inputs, *settings, seed, offset, lenience_ptr, lenience_value, split_values, split_indices, lse, threshold,
+        accepted, token, scratch, scratch.stride(0), vocab, positions - 1, num_splits, HAS_DRAFT_PROBS=has_draft_probs,
+        PER_ROW_LENIENCE=per_row_lenience, SPLITS_BLOCK=splits_block, SEARCH_BLOCK=search_block,
+        NUM_PIVOTS=NUM_PIVOTS, num_warps=search_warps)
+    if not all_greedy:  # greedy rows never draw: _emit_kernel reads no candidate of theirs
+        _emit_split_kernel[(batch, num_splits)](
+            *row_inputs, temperature, seed, offset, lenience_ptr, lenience_value, lse, threshold, accepted, token,
+            emit_values, emit_indices, vocab, positions - 1, chunk, num_splits, HAS_DRAFT_PROBS=has_draft_probs,
+            PER_ROW_LENIENCE=per_row_lenience, BLOCK_V=block_v, POSITIONS_BLOCK=positions_block,
+            num_warps=sweep_warps)
     _emit_kernel[(batch,)](
         num_drafts, temperature, accepted, token, emit_values, emit_indices, num_accepted, next_token,
         positions - 1, num_splits, SPLITS_BLOCK=splits_block, POSITIONS_BLOCK=positions_block)

@@ -100,7 +100,8 @@ def test_kernel_matches_reference(batch, k, vocab, with_draft_probs, lenience, d
 
 
 @pytest.mark.parametrize("impl", [verify_ref, pytest.param(functools.partial(verify_ref, all_greedy=True),
-                                                              id="verify_ref-all_greedy"), verify])
+                                                              id="verify_ref-all_greedy"), verify,
+                                  pytest.param(functools.partial(verify, all_greedy=True), id="verify-all_greedy")])
 @pytest.mark.parametrize("lenience", [1.0, 2.5])
 def test_greedy_rows_follow_the_rule(impl, lenience):
     """Greedy: accept x_j while it is the argmax or (l > 1) l * softmax(x_j) > q(x_j) = 1; emit the
@@ -140,17 +141,22 @@ def test_greedy_rows_follow_the_rule(impl, lenience):
     assert (result.threshold.cpu()[drafted] == float("-inf")).all(), f"seed={seed}: greedy rows are unfiltered"
 
 
+@pytest.mark.parametrize("impl", [verify_ref, verify])
 @pytest.mark.parametrize("lenience", [1.0, 2.5])
-def test_the_all_greedy_hint_changes_nothing_but_the_work(lenience):
-    """verify_ref(all_greedy=True) skips the random numbers and residuals: on greedy rows it
-    returns exactly what the general path does, ragged drafts and draft probabilities included."""
+def test_the_all_greedy_hint_changes_nothing_but_the_work(impl, lenience):
+    """all_greedy=True skips the random numbers and residuals (verify_ref) or the emit-split launch
+    (verify): on greedy rows either returns exactly what its general path does, ragged drafts and
+    draft probabilities included. And a lenience given per row equals the same value as a float
+    (the kernel takes a float as an argument, a tensor by pointer)."""
     seed = fresh_seed()
     inputs = random_batch(torch.Generator().manual_seed(seed), 8, 5, 300, True)
     inputs["temperature"] = torch.zeros_like(inputs["temperature"])
-    general = verify_ref(**inputs, lenience=lenience)
-    hinted = verify_ref(**inputs, lenience=lenience, all_greedy=True)
+    general = impl(**inputs, lenience=lenience)
+    hinted = impl(**inputs, lenience=lenience, all_greedy=True)
+    per_row = impl(**inputs, lenience=torch.full((8,), lenience, device=DEVICE))
     for name in ("num_accepted", "next_token", "lse", "threshold"):
         assert torch.equal(getattr(hinted, name), getattr(general, name)), f"seed={seed}: {name}"
+        assert torch.equal(getattr(per_row, name), getattr(general, name)), f"seed={seed}: {name}, lenience per row"
 
 
 def cutoff_by_definition(z: torch.Tensor, top_k: int, top_p: float) -> float:
