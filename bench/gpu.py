@@ -135,7 +135,9 @@ def bench_verify(sizes: Sizes, device: torch.device, copy_gb_per_s: float) -> li
                                 top_p=torch.full((batch,), top_p, device=device),
                                 seed=torch.randint(0, 2**31, (batch,), device=device),
                                 offset=torch.zeros(batch, dtype=torch.int64, device=device))
-                    call = lambda: verify(logits, drafts, num_drafts, None, **args)  # noqa: E731
+                    # greedy as the engine calls it: the all_greedy hint skips the emit-split launch
+                    call = lambda: verify(logits, drafts, num_drafts, None, **args,  # noqa: E731
+                                          all_greedy=mode == "greedy")
                     ms, replay_ms = time_ms(call, device), graph_ms(call, device)
                     gb_per_s = logits.numel() * 4 / replay_ms / 1e6
                     rows.append(dict(vocab=vocab, batch=batch, k=k, mode=mode, us=ms * 1e3, graph_us=replay_ms * 1e3,

@@ -8,12 +8,13 @@
 #   4. the kernel, fused-path and host-read tests, compiled for real, in the time left (all: 545 s).
 # Logs and JSON go to $OUT (the device tool's folder) or bench/results.
 #   bash bench/gpu_session.sh [tests|bench|all]
-#   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: MaG's
-#                                      # kernel per call, the step split (fixed and self-tuning strategies, batch 1 and 8 under
-#                                      # step graphs; the chain and the cascade also sampling with top-k /
-#                                      # top-p at batch 1; then each step's GPU kernel time by category), then the sync,
-#                                      # real-graph, compiled MaG, cut-off search, emitted-distribution and draft-budget
-#                                      # tests in the time left
+#   bash bench/gpu_session.sh open     # only what the open issues (11, 17) still need, ~7 minutes: the
+#                                      # verify kernel's bandwidth, MaG's kernel per call, the step split (fixed and
+#                                      # self-tuning strategies, batch 1 and 8 under step graphs; the chain and the
+#                                      # cascade also sampling with top-k / top-p at batch 1; then each step's GPU
+#                                      # kernel time by category), then the commit, non-finite and review kernels',
+#                                      # sync, real-graph, compiled MaG, cut-off search, emitted-distribution and
+#                                      # draft-budget tests in the time left
 #   bash bench/gpu_session.sh serve    # a device call of its own: bench/serve.py --synthetic (7B-shaped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +52,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "[gpu_session] gpu tests done at $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = open ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections mag,step_split,step_profile \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.gpu --out "$OUT" --budget-s ${BENCH_BUDGET:-280} --sections verify,mag,step_split,step_profile \
       2>&1 | tee "$OUT/gpu.log" | grep -v '^\['
   left=$(( ${SESSION_S:-420} - ($(date +%s) - start) ))
   [ $left -gt 30 ] && timeout $left python3 -m pytest -q -p no:cacheprovider \
