@@ -53,14 +53,15 @@ def check_inputs(tokens, committed, pending, emitted, counts, active) -> None:
 
 def commit(tokens: torch.Tensor, committed: torch.Tensor, pending: torch.Tensor, emitted: torch.Tensor,
            counts: torch.Tensor, active: torch.Tensor) -> None:
-    """In place on tokens [B, W], committed [B] and pending [B] (int64, contiguous per row), given
-    emitted [B, M] int64, counts [B] int64 and active [B] bool."""
+    """In place on tokens [B, W] (contiguous rows), committed [B] and pending [B] (contiguous),
+    all int64, given emitted [B, M] int64, counts [B] int64 and active [B] bool."""
     check_inputs(tokens, committed, pending, emitted, counts, active)
-    if tokens.stride(1) != 1 or emitted.stride(1) != 1 or not (committed.is_contiguous() and pending.is_contiguous()):
-        raise ValueError("commit: tokens and emitted need contiguous rows, committed and pending contiguous")
+    if tokens.stride(1) != 1 or not (committed.is_contiguous() and pending.is_contiguous()):
+        raise ValueError("commit: tokens needs contiguous rows, committed and pending must be contiguous (written in place)")
+    emitted = emitted if emitted.stride(1) == 1 else emitted.contiguous()
     batch, m = emitted.shape
     _commit_kernel[(batch,)](tokens, tokens.stride(0), committed, pending, emitted, emitted.stride(0),
-                             counts.contiguous(), active.view(torch.uint8), tokens.shape[1], m,
+                             counts.contiguous(), active.contiguous().view(torch.uint8), tokens.shape[1], m,
                              BLOCK=triton.next_power_of_2(m + 1))
 
 

@@ -69,3 +69,15 @@ def test_bad_input_names_the_tensor():
         commit(tokens, committed, pending, emitted, counts.int(), active)
     with pytest.raises(ValueError, match="active must be torch.bool .* 2 rows"):
         commit(tokens, committed, pending, emitted, counts, active[:1])
+
+
+def test_emitted_with_a_column_stride():
+    """emitted whose columns are not adjacent (a transposed block): taken as its values."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    tokens, committed, pending, emitted, counts, active = _state(gen, 4, 30, 5)
+    strided = emitted.t().contiguous().t()
+    assert strided.stride(1) != 1
+    want = _by_hand(tokens, committed, pending, emitted, counts, active)
+    commit(tokens, committed, pending, strided, counts, active)
+    assert torch.equal(committed, want[1]) and torch.equal(pending, want[2])
+    assert torch.equal(tokens[:, :-1], want[0][:, :-1])
