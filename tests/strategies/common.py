@@ -7,6 +7,30 @@ from csd_engine.ops import PADDING
 from tests.stats import assert_pairs_follow
 
 DRAWS = 20000  # >= 90% power against a 2-point shift (tests/strategies/test_distribution.py)
+NON_FINITE_PARAMS = SamplingParams(max_new_tokens=6)
+
+
+def broken_and_plain(model_factory):
+    """(a model whose embedding of token 5 is NaN, the healthy model's tokens for [1, 2, 3]):
+    for assert_a_non_finite_request_fails_alone."""
+    broken = model_factory()
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[5] = float("nan")
+    plain = Engine(model_factory(), max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], NON_FINITE_PARAMS)[0]
+    return broken, plain.token_ids
+
+
+def assert_a_non_finite_request_fails_alone(engine: Engine, strategy, plain: list[int]) -> None:
+    """Two requests on `engine` over broken_and_plain's model: the one whose prompt holds token 5
+    ends with an error and no tokens, the other runs to its length with the healthy model's tokens."""
+    with engine.scheduler(strategy) as scheduler:
+        good, bad = scheduler.add([1, 2, 3], NON_FINITE_PARAMS), scheduler.add([4, 5, 6], NON_FINITE_PARAMS)
+        done = {}
+        while scheduler.has_unfinished():
+            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
+    assert done[bad].finish_reason == "error" and "non-finite logits" in done[bad].error
+    assert done[bad].result.token_ids == []
+    assert done[good].result.token_ids == plain and done[good].finish_reason == "length"
 
 
 def processed_probs(logits, temperature, top_k=0, top_p=1.0):

@@ -18,7 +18,7 @@ import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
 from csd_engine.scheduler import QueueFull
-from tests.strategies.common import processed_probs
+from tests.strategies.common import assert_a_non_finite_request_fails_alone, broken_and_plain, processed_probs
 from tests.strategies import test_every_strategy as every_strategy
 from tests.strategies.test_every_strategy import STRATEGIES, models, repetitive_prompt  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB, random_prompts, tiny_llama
@@ -275,21 +275,9 @@ def test_full_queue_and_bad_requests_are_refused_clearly(models):
 
 
 def test_a_request_with_non_finite_logits_fails_alone():
-    healthy = tiny_llama(seed=7)
-    broken = tiny_llama(seed=7)
-    with torch.no_grad():
-        broken.model.embed_tokens.weight[5] = float("nan")
+    broken, plain = broken_and_plain(lambda: tiny_llama(seed=7))
     engine = Engine(broken, max_batch_size=2, max_seq_len=32, verify_backend="torch")
-    params = SamplingParams(max_new_tokens=6)
-    with engine.scheduler(Autoregressive()) as scheduler:
-        good, bad = scheduler.add([1, 2, 3], params), scheduler.add([4, 5, 6], params)
-        done = {}
-        while scheduler.has_unfinished():
-            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
-    assert done[bad].finish_reason == "error" and "non-finite logits" in done[bad].error
-    assert done[bad].result.token_ids == []
-    plain = Engine(healthy, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0]
-    assert done[good].result.token_ids == plain.token_ids and done[good].finish_reason == "length"
+    assert_a_non_finite_request_fails_alone(engine, Autoregressive(), plain)
 
 
 @pytest.mark.parametrize("name", ["pearl", "cascade2-l2", "speculative-model"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative
+from tests.strategies.common import assert_a_non_finite_request_fails_alone, broken_and_plain
 from tests.strategies.test_every_strategy import repetitive_prompt
 from tests.tiny_models import perturbed, tiny_llama
 
@@ -61,21 +62,10 @@ def test_greedy_tokens_on_the_kernel_path_equal_plain_decoding(target, name, mon
 
 
 def test_a_request_with_non_finite_logits_fails_alone_on_the_kernel_path(monkeypatch):
-    healthy, broken = tiny_llama(seed=7), tiny_llama(seed=7)
-    with torch.no_grad():
-        broken.model.embed_tokens.weight[5] = float("nan")
-    params = SamplingParams(max_new_tokens=6)
-    plain = Engine(healthy, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0]
+    broken, plain = broken_and_plain(lambda: tiny_llama(seed=7))
     monkeypatch.setenv("CSD_CPU_KERNELS", "1")
     engine = Engine(broken, drafters=["mag"], max_batch_size=2, max_seq_len=32)
-    with engine.scheduler(DevicePath(Speculative(k=2))) as scheduler:
-        good, bad = scheduler.add([1, 2, 3], params), scheduler.add([4, 5, 6], params)
-        done = {}
-        while scheduler.has_unfinished():
-            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
-    assert done[bad].finish_reason == "error" and "non-finite logits" in done[bad].error
-    assert done[bad].result.token_ids == []
-    assert done[good].result.token_ids == plain.token_ids and done[good].finish_reason == "length"
+    assert_a_non_finite_request_fails_alone(engine, DevicePath(Speculative(k=2)), plain)
 
 
 def test_a_sampling_cascade_runs_on_the_kernel_path(target, monkeypatch):
