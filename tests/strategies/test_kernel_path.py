@@ -2,8 +2,8 @@
 
 With CSD_CPU_KERNELS=1 (kernels.use_kernels) the engine runs in Triton's interpreter every
 kernel it runs on a GPU in place of its PyTorch reference: MaG's search and in-place extend,
-the self-tuning strategies' draft choice, the step's commit, the runners' non-finite check,
-the verification. Drafts keep their plan's widths (no CPU-only trim, Models.trim_drafts), as
+the self-tuning strategies' draft choice, the step's commit, the runners' non-finite check, a
+cascade review's bookkeeping, the verification and a sampling review's emitted distribution. Drafts keep their plan's widths (no CPU-only trim, Models.trim_drafts), as
 on a GPU. Each kernel's own tests compare it with its reference on random inputs; what they
 cannot see is its wiring into the engine (which buffers it gets, with which strides, what the
 next step reads of what it wrote in place): greedy tokens equal to plain decoding's and a
