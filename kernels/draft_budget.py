@@ -35,6 +35,7 @@ import triton.language as tl
 TIE = 1e-6  # relative: values this close count as equal (float32 rounding of equal expressions)
 _TIE = tl.constexpr(TIE)
 
+
 @dataclass(frozen=True)
 class Grid:
     """The host constants of a strategy's choice grid."""

@@ -447,7 +447,8 @@ class CascadeDecoder(Decoder):
         state.metrics.count_drafter(source.drafter)
         # new_mark = mark + accepted + need; the cache keeps new_mark - 1 (every row was fed up to
         # sub_len >= mark + accepted); at: the correction's slot, the scratch column where not in need.
-        # Greedy, the accepted tokens are in place: only the correction is written
+        # Without draft distributions or origins to record, the accepted tokens are in place: only
+        # the correction is written
         in_place = work.q is None and work.origin is None
         bookkeeping = review_bookkeeping if use_kernels(accepted) else review_bookkeeping_ref
         new_mark, at = bookkeeping(mark, accepted, drafted, need, model.cache.lengths,
