@@ -195,6 +195,10 @@ class Engine:
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this model has none: pass token-id lists")
+            try:
+                p.encode()
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
             p = self.tokenizer(p, add_special_tokens=True)["input_ids"]
         if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             raise ValueError(f"{name} must be a string or a list of token ids (ints)")

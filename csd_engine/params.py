@@ -2,6 +2,10 @@
 import operator
 from dataclasses import dataclass
 
+MIN_TEMPERATURE = 1e-6  # below it (but for 0, greedy) logits / temperature overflows float32 for large logits
+MAX_TOP_K = 2 ** 31 - 1  # the engine keeps top_k as int32 (any top_k >= the vocabulary keeps every token)
+MAX_SEED = 2 ** 63 - 1  # and seeds as int64
+
 
 @dataclass
 class SamplingParams:
@@ -37,16 +41,18 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise TypeError(f"SamplingParams.{name} must be {what}, got {type(value).__name__}")
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (smaller ones "
+                             f"overflow float32 when the logits are divided by them), got {self.temperature}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, 2**31 - 1] (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
             ids = _token_ids(self.stop_token_ids)
             if ids is None:

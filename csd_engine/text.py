@@ -8,7 +8,10 @@ the next token). Deltas handed out also hold back the last `len(longest stop) - 
 characters, which may be the start of a stop string, so the deltas, concatenated, are exactly
 the final text.
 """
+import re
+
 REPLACEMENT = "\ufffd"
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
 
 class IncrementalText:
@@ -66,3 +69,49 @@ class IncrementalText:
             return ""
         new, self.sent = self.text[len(self.sent):end], self.text[:end]
         return new
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): bytes that are printable Latin-1 characters stand
+    for themselves, the other bytes for U+0100, U+0101, ... in order. Character -> byte."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """Each token's own bytes, which join to the bytes of the text the tokens decode to. Decoding
+    a token alone turns a piece of a multi-byte character into U+FFFD; here a byte-level BPE
+    piece maps back through its alphabet, a byte-fallback piece (<0xE3>) is its byte, a
+    SentencePiece word piece's U+2581 a space, and an added (special) token is its text."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    kinds = decoder.__getstate__().decode() if decoder is not None else ""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    out = []
+    for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        byte = BYTE_TOKEN.fullmatch(piece) if "ByteFallback" in kinds and piece else None
+        if t in added or not piece:
+            out.append(tokenizer.decode([t]).encode())
+        elif "ByteLevel" in kinds and all(c in BYTE_OF for c in piece):
+            out.append(bytes(BYTE_OF[c] for c in piece))
+        elif byte:
+            out.append(bytes([int(byte[1], 16)]))
+        elif "Metaspace" in kinds or "\u2581" in kinds:
+            out.append(piece.replace("\u2581", " ").encode())
+        else:
+            out.append(tokenizer.decode([t]).encode())
+    return out
+
+
+def character_starts(pieces: list[bytes], start: int = 0) -> tuple[list[int], int]:
+    """Where each piece starts in the text, in characters from `start` (a piece that completes a
+    character begun before it starts at that character), and where the text after them starts."""
+    starts, count = [], start
+    for piece in pieces:
+        continues = bool(piece) and piece[0] & 0xC0 == 0x80  # a UTF-8 continuation byte
+        starts.append(max(start, count - continues))
+        count += sum(b & 0xC0 != 0x80 for b in piece)  # lead bytes: one per character
+    return starts, count

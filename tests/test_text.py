@@ -4,7 +4,7 @@ string cuts the text before its first occurrence, keeping the tokens up to the o
 completed it."""
 import random
 
-from csd_engine.text import IncrementalText
+from csd_engine.text import IncrementalText, character_starts, token_bytes
 from tests.strategies.test_continuous import ByteTokenizer
 
 
@@ -48,3 +48,38 @@ def test_deltas_and_stop_strings_match_the_definition():
         keep = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n]))
         assert joined == final == full[:cut], trial
         assert out == tokens[:keep], trial
+
+
+def _check_pieces(tokenizer, ids):
+    """token_bytes join to the decoded text's bytes, though some tokens decode alone to U+FFFD,
+    and character_starts puts each token at the character it begins or completes."""
+    text = tokenizer.decode(ids)
+    pieces = token_bytes(tokenizer, ids)
+    assert b"".join(pieces) == text.encode()
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # what decoding alone gives
+    starts, end = character_starts(pieces, 5)
+    offsets = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+    assert starts == [5 + len(text.encode()[:o].decode(errors="ignore")) for o in offsets]
+    assert end == 5 + len(text)
+
+
+def test_token_bytes_of_byte_level_bpe():
+    """SmolLM2's tokenizer (byte-level BPE): multi-byte characters split across tokens, an emoji,
+    an added special token."""
+    from transformers import AutoTokenizer
+
+    from csd_engine.models import zoo
+    tokenizer = AutoTokenizer.from_pretrained(zoo.resolve("smollm2-135m"))
+    _check_pieces(tokenizer, tokenizer("日本語のテキスト ok é 🙂 end<|im_end|>")["input_ids"])
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback():
+    """A Llama-style tokenizer: word pieces with U+2581 and byte-fallback pieces <0xE6>..."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "b": 1, "\u2581a": 2, "<0xE6>": 3, "<0x97>": 4, "<0xA5>": 5}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    _check_pieces(tokenizer, [1, 2, 3, 4, 5, 2])  # "b a日 a"

@@ -28,9 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from csd_engine.params import SamplingParams
+from csd_engine.params import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 from csd_engine.scheduler import QueueFull, RequestOutput
 from csd_engine.serving.async_engine import EngineStopped
+from csd_engine.text import character_starts, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "stream_options", "ignore_eos", "stop_token_ids", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-# OpenAI fields not implemented, accepted at the value that means "off"
-NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "echo": (False,),
-           "suffix": ("",), "best_of": (1,)}
+# OpenAI fields not implemented, accepted at the value that means "off" (and of its type: echo 0 is refused)
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "suffix": "",
+           "best_of": 1}
+ROLES = ("system", "user", "assistant")  # chat roles (no tools, so no "tool" messages)
 # vLLM's bucket bounds, with finer ones below 10 ms for small models
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -78,6 +80,13 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_neutral(value, neutral) -> bool:
+    """`value` is `neutral` in value and kind (a penalty may be 0 or 0.0; best_of 1, not true)."""
+    if isinstance(neutral, float):
+        return _is_number(value) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
 class Body:
     """A request's JSON object, read field by field; every refusal names its field."""
 
@@ -88,8 +97,9 @@ class Body:
         if unknown:
             raise _bad(unknown[0], f"unknown field {unknown[0]!r}; fields: {', '.join(sorted(allowed | set(NEUTRAL)))}")
         for name, neutral in NEUTRAL.items():
-            if body.get(name) is not None and body[name] not in neutral:
-                raise _bad(name, f"{name} is not supported: only {_show(neutral[0])} (or leaving it out)")
+            if body.get(name) is not None and not _is_neutral(body[name], neutral):
+                raise _bad(name, f"{name} is not supported: only {_show(neutral)} (or leaving it out), "
+                                 f"got {_show(body[name])}")
         self.body = body
 
     def given(self, name: str) -> bool:
@@ -129,11 +139,13 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
     name = "max_completion_tokens" if chat and body.given("max_completion_tokens") else "max_tokens"
     # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat reply.
     max_tokens = body.integer(name, max_seq_len if chat else 16, low=1)
-    temperature = body.number("temperature", 1.0, lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+    temperature = body.number("temperature", 1.0, lambda v: v == 0 or v >= MIN_TEMPERATURE,
+                              f"0 (greedy) or a number >= {MIN_TEMPERATURE}")
     top_p = body.number("top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)")
-    top_k = body.integer("top_k", 0, low=-1, extra=" (0 or -1 = off)")
-    seed = body.integer("seed", None, low=0)
+    top_k = body.integer("top_k", 0, low=-1, high=MAX_TOP_K, extra=" (0 or -1 = off)")
     n = body.integer("n", 1, low=1, high=MAX_N)
+    seed = body.integer("seed", None, low=0, high=MAX_SEED - (n - 1),
+                        extra=f" (choice i of n = {n} is seeded seed + i)" if n > 1 else "")
     stop = body.body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -151,11 +163,13 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
                                        f"the chosen tokens' log-probabilities), got {_show(body.body['top_logprobs'])}")
     else:
         value = body.body.get("logprobs")
-        if value is not None and not isinstance(value, bool) and not (_is_int(value) and value >= 0):
-            raise _bad("logprobs", f"logprobs must be true, false or an integer >= 0, got {_show(value)}")
+        if value is not None and not isinstance(value, bool) and not (_is_int(value) and value == 0):
+            raise _bad("logprobs", f"logprobs must be true, false or 0: alternatives are not returned (0 or true "
+                                   f"gives the chosen tokens' log-probabilities), got {_show(value)}")
         logprobs = value is not None and value is not False
     ignore_eos = body.boolean("ignore_eos")
-    body.boolean("stream")
+    if not body.boolean("stream") and body.given("stream_options"):
+        raise _bad("stream_options", "stream_options is only allowed with stream: true")
     if body.given("stream_options"):
         options = body.body["stream_options"]
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -178,8 +192,12 @@ def chat_messages(body: Body) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad("messages", f"{where} must be an object with a string role, got {_show(message)}")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise _bad("messages", f"{where} must be an object whose role is one of {', '.join(ROLES)}, "
+                                   f"got {_show(message)}")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:  # name, tool_calls, ...: refused rather than dropped
+            raise _bad("messages", f"{where}.{extra[0]} is not supported: a message has a role and a content only")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -189,8 +207,19 @@ def chat_messages(body: Body) -> list[dict]:
             content = "".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise _bad("messages", f"{where}.content must be a string or a list of text parts, got {_show(content)}")
+        if content and not _is_unicode(content):
+            raise _bad("messages", f"{where}.content is not valid Unicode text (it holds a lone surrogate)")
         out.append({"role": message["role"], "content": content or ""})
     return out
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` can be encoded as UTF-8 (JSON's escapes can spell a lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def completion_prompts(body: Body) -> list:
@@ -270,6 +299,8 @@ class _Server:
     def read(self, body, chat: bool) -> tuple[Body, list[SamplingParams], bool]:
         body = Body(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         model = body.body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("model", f"model must be a string, got {_show(model)}")
         if model is not None and model != self.name:
             raise APIError(404, f"model {model!r} not found; this server serves {self.name!r}", "model",
                            code="model_not_found")
@@ -340,20 +371,24 @@ class _Server:
             raise
 
     # -- responses -------------------------------------------------------------------------------
-    def token_texts(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [str(t) for t in ids]
+    def token_texts(self, ids: list[int]) -> tuple[list[str], list[bytes]]:
+        """Each token decoded alone (U+FFFD for part of a character) and its own bytes."""
+        if self.tokenizer is None:
+            return [str(t) for t in ids], [str(t).encode() for t in ids]
+        return [self.tokenizer.decode([t]) for t in ids], token_bytes(self.tokenizer, ids)
 
-    def completion_logprobs(self, out: RequestOutput, offset: int) -> dict:
-        """Each token as decoded alone, its log-probability, and where it starts counting the
-        characters of the tokens before it from `offset` (tokens decoded alone may differ from the
-        text, around multi-byte characters)."""
-        tokens = self.token_texts(out.token_ids)
-        starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": starts}
+    def completion_logprobs(self, out: RequestOutput, offset: int) -> tuple[dict, int]:
+        """Each token as decoded alone, its log-probability, and the character where it starts
+        (or completes a character begun before it) in the choice's text, counting from `offset`;
+        then where the next chunk's tokens start."""
+        tokens, pieces = self.token_texts(out.token_ids)
+        starts, end = character_starts(pieces, offset)
+        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": starts}, end
 
     def chat_logprobs(self, out: RequestOutput) -> dict:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self.token_texts(out.token_ids), out.logprobs)]}
+        tokens, pieces = self.token_texts(out.token_ids)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                            for t, b, lp in zip(tokens, pieces, out.logprobs)]}
 
     @staticmethod
     def usage(prompts: list[list[int]], completion_tokens: int) -> dict:
@@ -387,7 +422,7 @@ class _Server:
                 choice["logprobs"] = self.chat_logprobs(whole) if logprobs else None
             else:
                 choice["text"] = result.text or ""  # no tokenizer: token_ids only
-                choice["logprobs"] = self.completion_logprobs(whole, 0) if logprobs else None
+                choice["logprobs"] = self.completion_logprobs(whole, 0)[0] if logprobs else None
             choices.append(choice)
         usage = self.usage(prompts, sum(len(r.token_ids) for r in results))
         return JSONResponse({**head, "choices": choices, "usage": usage})
@@ -416,9 +451,9 @@ class _Server:
                     choice["logprobs"] = self.chat_logprobs(out) if with_logprobs else None
                 else:
                     choice["text"] = out.text or ""
-                    choice["logprobs"] = self.completion_logprobs(out, offsets[index]) if with_logprobs else None
+                    choice["logprobs"] = None
                     if with_logprobs:
-                        offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                        choice["logprobs"], offsets[index] = self.completion_logprobs(out, offsets[index])
                 yield _event({**head, "choices": [choice]})
         if include_usage:
             yield _event({**head, "choices": [], "usage": self.usage(prompts, completion_tokens)})
@@ -481,6 +516,8 @@ async def _json_body(request: Request):
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _bad(None, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise _bad(None, "the request body is nested too deeply") from None
 
 
 async def _unless_disconnected(request: Request, work):

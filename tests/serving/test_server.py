@@ -208,6 +208,17 @@ BAD = [  # (endpoint, body, status, the field named)
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    # values the engine could not hold (int64 seeds, int32 top_k) or compute with (logits / 1e-40 overflow)
+    ("completions", {"prompt": "x", "temperature": 1, "seed": 2 ** 63}, 400, "seed"),
+    ("completions", {"prompt": "x", "temperature": 1, "seed": 2 ** 63 - 1, "n": 2}, 400, "seed"),  # seed + 1
+    ("completions", {"prompt": "x", "temperature": 1, "top_k": 2 ** 31}, 400, "top_k"),
+    ("completions", {"prompt": "x", "temperature": 1e-40}, 400, "temperature"),
+    ("completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),  # alternatives are not returned
+    ("completions", {"prompt": "x", "echo": 0}, 400, "echo"),  # neutral in value but not in kind
+    ("completions", {"prompt": "x", "best_of": True}, 400, "best_of"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {"prompt": "x", "model": 5}, 400, "model"),
+    ("completions", {"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("completions", {"prompt": "x", "stop_token_ids": [1000]}, 400, "stop_token_ids"),
@@ -226,6 +237,9 @@ BAD = [  # (endpoint, body, status, the field named)
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * MAX_SEQ_LEN}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
@@ -238,11 +252,13 @@ def test_bad_requests_get_their_status_and_name_the_field(server):
     server serves normally afterwards."""
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for endpoint, body, status, field in BAD:
-            response = http.post(f"/v1/{endpoint}", json=body)
+            # json.dumps escapes what is not ASCII, as a client may: a lone surrogate too
+            response = http.post(f"/v1/{endpoint}", content=json.dumps(body),
+                                 headers={"content-type": "application/json"})
             error = response.json()["error"]
             assert (response.status_code, error["param"]) == (status, field), (body, error)
             assert field in error["message"] and error["type"] == "invalid_request_error", (body, error)
-        for raw, words in (("nope", "not valid JSON"), ("[1]", "JSON object")):
+        for raw, words in (("nope", "not valid JSON"), ("[1]", "JSON object"), ("[" * 100000, "nested too deeply")):
             response = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert response.status_code == 400 and words in response.json()["error"]["message"]
         assert "max_seq_len=96" in http.post("/v1/completions", json={"prompt": "x" * MAX_SEQ_LEN}).text

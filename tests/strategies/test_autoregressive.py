@@ -84,6 +84,9 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: SamplingParams(top_p=0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: SamplingParams(top_k=-2), "top_k"),
+        (lambda: SamplingParams(top_k=2 ** 31), r"top_k must be in \[0, 2\*\*31 - 1\]"),  # int32 on the device
+        (lambda: SamplingParams(seed=2 ** 63), r"seed must be an int in \[0, 2\*\*63 - 1\]"),  # int64
+        (lambda: SamplingParams(temperature=1e-40), r"temperature must be 0 \(greedy\) or .* >= 1e-06"),  # overflow
         (lambda: SamplingParams(top_k=2.5), "SamplingParams.top_k must be an int, got float"),
         (lambda: SamplingParams(temperature="1"), "SamplingParams.temperature must be a number, got str"),
         (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
@@ -103,6 +106,9 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         with pytest.raises((ValueError, TypeError), match=words):
             call()
         assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == good
+    # the bounds themselves are served
+    extreme = SamplingParams(temperature=1e-6, top_k=2 ** 31 - 1, seed=2 ** 63 - 1, max_new_tokens=4)
+    assert engine.generate([[1, 2, 3]], extreme)[0].token_ids == good  # (1e-6: greedy but for exact ties)
     assert Engine(model, dtype="float32", max_batch_size=1, max_seq_len=16).dtype == torch.float32  # names work too
 
 
