@@ -10,7 +10,8 @@ Every configuration decodes the same prompts (greedy, batch 1, `--repeats` runs 
 kept, after a warm-up); the grid covers K = [[a, b], [0, m]] (a tokens from the 0.5B drafter,
 then b from MaG; the drafter reviews m MaG tokens at a time) and lenience, plus
 Speculative(0.5B, k) and Cascade with MaG alone. Cascade.auto() runs with no configuration
-given: its calibration steps are part of its measured time. The table ends with auto's
+given: its rows choose their budgets from what they count while decoding, which its measured
+time includes. The table ends with auto's
 tokens/s as a fraction of the best grid point's; the JSON goes to bench/results/tune-*.json.
 """
 import itertools

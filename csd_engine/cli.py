@@ -10,7 +10,7 @@ OpenAI-compatible HTTP server (csd_engine/serving/server.py; needs the `serve` e
 Every option of every strategy is reachable through `--strategy-config` (JSON: one strategy
 name -> its keyword arguments; lists become tuples). The simple flags cover the common ones,
 each for the strategies that take it; a flag the chosen strategy does not take is an error.
-`--strategy cascade` without `--k-matrix` is Cascade.auto(): K and lenience tuned while generating;
+`--strategy cascade` without `--k-matrix` is Cascade.auto(): each row chooses its own budgets every step;
 `--strategy speculative_auto` is Speculative.auto(): each row chooses its own draft length.
 
     csd-engine serve --target smollm2-135m --drafter mag --strategy speculative --port 8000 \
@@ -123,7 +123,7 @@ def build_strategy(args):
             fixed = [dest for dest in options if dest not in STRATEGY_FLAGS["cascade_auto"]]
             if fixed:
                 raise ValueError(f"{', '.join(map(_flag, fixed))} needs --k-matrix (--strategy cascade without "
-                                 f"it is Cascade.auto(), which chooses K and lenience itself)")
+                                 f"it is Cascade.auto(), whose rows choose their own budgets)")
             return make_strategy("cascade_auto", options)
         options.setdefault("mag_tokens", CLI_CASCADE_MAG_TOKENS)
     return make_strategy(name, options)

@@ -1,4 +1,4 @@
-"""The bigram table MaG falls back on (docs/algorithms.md, MaG: the bigram fallback).
+"""The bigram table MaG falls back on (docs/algorithms.md, MaG, step 4).
 
 A `BigramTable`: `next_token[a]` is the most likely token after `a` ([vocab_size] int64)
 and `prob[a]` its probability ([vocab_size] float32), which MaG compares with its

@@ -1,4 +1,4 @@
-"""Cascade Speculative Drafting (docs/algorithms.md: lenience, CS Drafting): vertical and
+"""Cascade Speculative Drafting (docs/algorithms.md: Lenience, The K matrix): vertical and
 horizontal cascade, compiled into a fixed plan of rounds (cascade_plan.py).
 
 Glossary:

@@ -1,4 +1,4 @@
-"""The cascade's K matrix compiled into a fixed plan of rounds (docs/algorithms.md, CS Drafting).
+"""The cascade's K matrix compiled into a fixed plan of rounds (docs/algorithms.md, The K matrix).
 
 Row 0 of K says how many tokens each drafter (largest first) adds to the draft a reviewer
 receives; a neural drafter's own drafts come from the cascade below it (the sub-matrix).
