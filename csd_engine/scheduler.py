@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.kernels.random import fold_seed
 from csd_engine.params import SamplingParams
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.step_graphs import CudaCapture, StepGraphs
@@ -434,7 +435,8 @@ class Scheduler:
         state.temperature[index] = values(lambda r: r.params.temperature, torch.float32)
         state.top_k[index] = values(lambda r: r.params.top_k, torch.int32)
         state.top_p[index] = values(lambda r: r.params.top_p, torch.float32)
-        state.seed[index] = values(lambda r: _fresh_seed() if r.params.seed is None else r.params.seed, torch.int64)
+        state.seed[index] = values(lambda r: _fresh_seed() if r.params.seed is None else fold_seed(r.params.seed),
+                                   torch.int64)
         fits = [self.prefill_chunk is None or len(r.prompt) - 1 <= self.prefill_chunk for r in new]
         whole = [r for r, f in zip(new, fits) if f]
         for r in (r for r, f in zip(new, fits) if not f):  # a masked row holding its prompt, cached chunk by chunk

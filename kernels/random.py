@@ -66,6 +66,15 @@ def gumbel_ref(seed, counter, index) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_ref(seed, counter, index)))
 
 
+def fold_seed(seed: int) -> int:
+    """A request's seed (up to 64 bits) as the 32-bit seed `uniform` takes: itself below 2**32,
+    else its low half mixed with the hash of its high half, so that seeds differing only above
+    bit 31 draw different numbers (plain truncation would give 1 and 2**32 + 1 one stream). Its
+    multiplier is not stream_seed's, so a folded seed is not another seed's stream."""
+    low, high = seed & MASK32, seed >> 32
+    return low if high == 0 else _mix32_ref(low ^ _mix32_ref((high * 0x85EBCA6B) & MASK32))
+
+
 def stream_seed(seed: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """An independent seed per (request seed, stream id); stream 0 is the seed itself.
     `stream` is one id for every row or a [B] tensor of per-row ids (a row's own count of

@@ -112,6 +112,20 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
     assert Engine(model, dtype="float32", max_batch_size=1, max_seq_len=16).dtype == torch.float32  # names work too
 
 
+def test_every_bit_of_a_seed_counts():
+    """Seeds that differ only above bit 31 draw different tokens (the random streams take 32-bit
+    seeds: kernels.random.fold_seed), and a seed gives the same tokens every time."""
+    from csd_engine.kernels.random import fold_seed
+    assert [fold_seed(s) for s in (0, 7, 2 ** 32 - 1)] == [0, 7, 2 ** 32 - 1]  # the 32-bit seeds unchanged
+    assert len({fold_seed(1 + (k << 32)) for k in range(1000)}) == 1000
+    engine = Engine(tiny_llama(seed=2), max_batch_size=4, max_seq_len=32)
+    seeds = [1, 2 ** 32 + 1, 2 ** 40 + 1, 2 ** 63 - 1]
+    runs = engine.generate([[1, 2, 3]] * 4, [SamplingParams(temperature=1.5, seed=s, max_new_tokens=16) for s in seeds])
+    assert len({tuple(r.token_ids) for r in runs}) == 4
+    again = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.5, seed=2 ** 40 + 1, max_new_tokens=16))
+    assert again[0].token_ids == runs[2].token_ids
+
+
 def test_public_api_exports():
     assert {"Engine", "SamplingParams", "Autoregressive", "Speculative"} <= set(csd_engine.__all__)
     assert isinstance(Autoregressive(), Autoregressive)
