@@ -65,10 +65,20 @@ class Engine:
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool | str = False,
                  fused_kernels: bool | None = None, drafter_device=None, batch_invariant: bool = False):
-        if isinstance(drafters, (str, torch.nn.Module)):
+        if isinstance(drafters, (str, torch.nn.Module, MaG)):
             drafters = [drafters]
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        if drafters is None or not isinstance(drafters, (list, tuple)):
+            raise TypeError(f"drafters must be a list (of zoo names, folders, models or 'mag'; [] for none), "
+                            f"got {drafters!r}")
+        for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if native is not None and not isinstance(native, bool):
+            raise TypeError(f"native must be None (the native runner where it supports the model), True or False, "
+                            f"got {native!r}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must be None (the model's own) or a tokenizer object with a decode method "
+                            f"(e.g. transformers.AutoTokenizer.from_pretrained(...)), got {tokenizer!r}")
         if fused_kernels is not None and not isinstance(fused_kernels, bool):
             raise TypeError(f"fused_kernels must be None (fused wherever the fused ops run: CUDA, or a CPU with "
                             f"the extension), True or False, got {fused_kernels!r}")
@@ -184,7 +194,7 @@ class Engine:
         return Scheduler(self, Autoregressive() if strategy is None else strategy, rows, max_waiting, prefill_chunk)
 
     def _encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")

@@ -13,8 +13,8 @@ class SamplingParams:
     seed=None draws a fresh seed for every request (also when one params object serves many);
     the same request with the same seed gives the same tokens whatever else shares the batch.
     stop_token_ids end a request in addition to the model's end-of-sequence tokens (the
-    tokenizer's and the generation config's) unless ignore_eos; max_tokens is an alias of
-    max_new_tokens. stop: strings that end a request, its text cut before the first one (also
+    tokenizer's and the generation config's) unless ignore_eos; max_tokens, OpenAI's name, may be
+    given instead of max_new_tokens (default 64) and is moved into it (then None). stop: strings that end a request, its text cut before the first one (also
     when a speculative step committed tokens past it; the token ids end with the token that
     completed it). logprobs: return each token's log-probability under the target's processed
     distribution (temperature, top-k, top-p; the raw model's for greedy rows)."""
@@ -22,20 +22,22 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None  # 64 unless given (here or as max_tokens)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = None  # alias of max_new_tokens (OpenAI's name)
+    max_tokens: int | None = None  # OpenAI's name for max_new_tokens, moved into it
     stop: tuple[str, ...] | str | None = None
     logprobs: bool = False
 
     def __post_init__(self):
         if self.max_tokens is not None:
-            if self.max_new_tokens != 64 and self.max_new_tokens != self.max_tokens:
+            if self.max_new_tokens is not None and self.max_new_tokens != self.max_tokens:
                 raise ValueError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
                                  "disagree: give one of them")
-            self.max_new_tokens = self.max_tokens
+            self.max_new_tokens, self.max_tokens = self.max_tokens, None
+        if self.max_new_tokens is None:
+            self.max_new_tokens = 64
         for name, kind, what in (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
                                  ("top_k", int, "an int"), ("max_new_tokens", int, "an int")):
             value = getattr(self, name)
@@ -64,9 +66,9 @@ class SamplingParams:
             self.stop = tuple(self.stop)
             if not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.logprobs, bool):
-            raise TypeError(f"SamplingParams.logprobs must be True or False, got {self.logprobs!r}")
-        self.max_tokens = self.max_new_tokens
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -159,6 +159,8 @@ class Scheduler:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None (whole prompts) or an int >= 1, got {prefill_chunk!r}")
+        if isinstance(strategy, type):
+            raise TypeError(f"strategy must be a strategy object, e.g. {strategy.__name__}(), got the class itself")
         if not hasattr(strategy, "decoder"):
             raise TypeError(f"unknown strategy {strategy!r}: pass one of csd_engine.Autoregressive, "
                             "Speculative, Cascade, Staged, Pearl")

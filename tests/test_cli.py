@@ -93,7 +93,7 @@ def test_json_configs_become_the_strategy_dataclasses():
     ('{"medusa": {}}', "unknown strategy 'medusa'; strategies: autoregressive, speculative, speculative_auto, cascade, cascade_auto"),
     ('{"staged": {"k": 3}}', "staged has no option 'k'; its options: branching, drafter, mag_tokens"),
     ('{"staged": {"branching": []}}', "Staged.branching must be a non-empty tuple"),
-    ('{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 0.5}}', "lenience must be a number >= 1"),
+    ('{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 0.5}}', "Cascade(lenience=...) must be a number >= 1"),
     ('{"pearl": {"gamma": 0}}', "Pearl.gamma must be an int in [1, 64]"),
     ('{"cascade": {"k_matrix": [[2, 4], [1, 4]]}}', "K must be upper-triangular"),
     ('["cascade"]', "--strategy-config must be a JSON object with one key"),

@@ -88,6 +88,22 @@ def _validate_k_matrix(rows, n_drafters: int, is_mag: list[bool]) -> tuple[tuple
     return tuple(tuple(r) for r in rows)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_settings(owner: str, lenience, mag_tokens, direct_match, direct_tokens) -> None:
+    """The settings Cascade and Cascade.auto() share; `owner` names the strategy in the error."""
+    if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 1 <= lenience < float("inf"):
+        raise ValueError(f"{owner}(lenience=...) must be a number >= 1, got {lenience!r}")
+    if not _is_int(mag_tokens) or mag_tokens < 1:
+        raise ValueError(f"{owner}(mag_tokens=...) must be an int >= 1, got {mag_tokens!r}")
+    if not _is_int(direct_match) or direct_match < 0:
+        raise ValueError(f"{owner}(direct_match=...) must be an int >= 0 (0 = never), got {direct_match!r}")
+    if not _is_int(direct_tokens) or direct_tokens < 1:
+        raise ValueError(f"{owner}(direct_tokens=...) must be an int >= 1, got {direct_tokens!r}")
+
+
 def checked_tree(tree, name: str) -> tuple:
     """A top-level tree's candidates per depth as a tuple; `name` says whose (in the error)."""
     if not isinstance(tree, (tuple, list)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
@@ -124,14 +140,7 @@ class Cascade:
     direct_tokens: int = 16
 
     def __post_init__(self):
-        if isinstance(self.lenience, bool) or not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
-            raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
-        if isinstance(self.mag_tokens, bool) or not isinstance(self.mag_tokens, int) or self.mag_tokens < 1:
-            raise ValueError(f"mag_tokens must be an int >= 1, got {self.mag_tokens!r}")
-        if isinstance(self.direct_match, bool) or not isinstance(self.direct_match, int) or self.direct_match < 0:
-            raise ValueError(f"direct_match must be an int >= 0 (0 = never), got {self.direct_match!r}")
-        if isinstance(self.direct_tokens, bool) or not isinstance(self.direct_tokens, int) or self.direct_tokens < 1:
-            raise ValueError(f"direct_tokens must be an int >= 1, got {self.direct_tokens!r}")
+        check_settings("Cascade", self.lenience, self.mag_tokens, self.direct_match, self.direct_tokens)
         rows = self.k_matrix.tolist() if isinstance(self.k_matrix, torch.Tensor) else self.k_matrix
         if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, (list, tuple)) for r in rows):
             raise ValueError(f"k_matrix must be a square list of lists of non-negative ints, got {self.k_matrix!r}")

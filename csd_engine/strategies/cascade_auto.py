@@ -62,8 +62,8 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
-from csd_engine.strategies.budget import cost_ratio, width_costs
-from csd_engine.strategies.cascade import CascadeDecoder, check_tree_fits, checked_tree, compile_plan
+from csd_engine.strategies.budget import check_pricing, cost_ratio, width_costs
+from csd_engine.strategies.cascade import CascadeDecoder, check_settings, check_tree_fits, checked_tree, compile_plan
 
 
 @dataclass(frozen=True)
@@ -80,19 +80,10 @@ class AutoCascade:
     tree: tuple = ()  # the top-level tree a row may choose (candidates per depth, trunk included); (): never
 
     def __post_init__(self):
-        for name in ("max_tokens", "mag_tokens", "direct_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Cascade.auto({name}=...) must be an int >= 1, got {value!r}")
-        if not isinstance(self.lenience, (int, float)) or not self.lenience >= 1:
-            raise ValueError(f"lenience must be a number >= 1, got {self.lenience!r}")
-        if isinstance(self.prior_rate, bool) or not isinstance(self.prior_rate, (int, float)) \
-                or not 0 <= self.prior_rate < 1:
-            raise ValueError(f"Cascade.auto(prior_rate=...) must be a number in [0, 1), got {self.prior_rate!r}")
-        if self.width_cost is not None and not self.width_cost >= 0:
-            raise ValueError(f"width_cost must be >= 0 (relative to one target forward), got {self.width_cost!r}")
-        if self.model_cost is not None and not self.model_cost > 0:
-            raise ValueError(f"model_cost must be > 0 (relative to one target forward), got {self.model_cost!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"Cascade.auto(max_tokens=...) must be an int >= 1, got {self.max_tokens!r}")
+        check_settings("Cascade.auto", self.lenience, self.mag_tokens, self.direct_match, self.direct_tokens)
+        check_pricing("Cascade.auto", self.prior, self.prior_rate, self.model_cost, self.width_cost)
         object.__setattr__(self, "tree", checked_tree(self.tree, "Cascade.auto(tree=...)"))
 
     def decoder(self, models: Models):

@@ -30,6 +30,7 @@ class Speculative:
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
             raise ValueError(f"Speculative.k must be an int in [1, 64], got {self.k!r}")
+        check_drafter_index(self.drafter, "Speculative")
         check_confidence(self.min_confidence, "Speculative")
 
     @staticmethod
@@ -51,6 +52,13 @@ def check_confidence(value, strategy: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{strategy}(min_confidence=...) must be a number in [0, 1) (0: never stop early), "
                          f"got {value!r}")
+
+
+def check_drafter_index(drafter, strategy: str) -> None:
+    """At construction: `drafter` is an index into engine.drafters."""
+    if isinstance(drafter, bool) or not isinstance(drafter, int) or drafter < 0:
+        raise ValueError(f"{strategy}(drafter=...) must be an int >= 0 (an index into engine.drafters), "
+                         f"got {drafter!r}")
 
 
 def check_drafter(models: Models, drafter: int, strategy: str) -> None:

@@ -22,8 +22,9 @@ from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models
                                         roll_back_drafters, verify_chain)
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
-from csd_engine.strategies.budget import cost_ratio, width_costs
-from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
+from csd_engine.strategies.budget import check_pricing, cost_ratio, width_costs
+from csd_engine.strategies.speculative import (SpeculativeDecoder, check_confidence, check_drafter, check_drafter_index,
+                                               draft_chain)
 
 
 @dataclass(frozen=True)
@@ -39,17 +40,9 @@ class AutoSpeculative:
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 64:
             raise ValueError(f"Speculative.auto(max_tokens=...) must be an int in [1, 64], got {self.max_tokens!r}")
+        check_drafter_index(self.drafter, "Speculative.auto")
         check_confidence(self.min_confidence, "Speculative.auto")
-        if isinstance(self.prior, bool) or not isinstance(self.prior, (int, float)) or not self.prior > 0:
-            raise ValueError(f"Speculative.auto(prior=...) must be a number > 0 (drafts' worth), got {self.prior!r}")
-        if isinstance(self.prior_rate, bool) or not isinstance(self.prior_rate, (int, float)) \
-                or not 0 <= self.prior_rate < 1:
-            raise ValueError(f"Speculative.auto(prior_rate=...) must be a number in [0, 1), got {self.prior_rate!r}")
-        for name in ("model_cost", "width_cost"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-                raise ValueError(f"Speculative.auto({name}=...) must be a number >= 0 (relative to one target "
-                                 f"forward) or None (measured default), got {value!r}")
+        check_pricing("Speculative.auto", self.prior, self.prior_rate, self.model_cost, self.width_cost)
 
     def decoder(self, models: Models):
         check_drafter(models, self.drafter, "Speculative.auto()")

@@ -53,7 +53,13 @@ class Staged:
 
     @property
     def draft_nodes(self) -> int:
-        return len(branching_parents(self.branching)) - 1 + self.mag_tokens
+        """Nodes below the root: the tree's, counted level by level (not built: (2,) * 40 has 2**41),
+        then MaG's chain."""
+        nodes, level = 0, 1
+        for children in self.branching:
+            level *= children
+            nodes += level
+        return nodes + self.mag_tokens
 
     @property
     def depth(self) -> int:
@@ -69,6 +75,10 @@ class Staged:
         if max(self.branching) > vocab:
             raise ValueError(f"Staged.branching={self.branching} asks for more children than the vocabulary "
                              f"has tokens ({vocab})")
+        if self.draft_nodes + 1 > engine.capacity:  # (the scheduler then bounds it by the cache's headroom)
+            raise ValueError(f"Staged(branching={self.branching}, mag_tokens={self.mag_tokens}) feeds "
+                             f"{self.draft_nodes + 1} tokens per forward, more than the cache's {engine.capacity} "
+                             "slots: fewer depths or children")
         require_one_device(engine, "Staged")
         return StagedDecoder(engine, self)
 

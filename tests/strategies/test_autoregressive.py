@@ -1,5 +1,7 @@
 """Autoregressive decoding: exact greedy equality with transformers, sampling by distribution,
 per-request seeds, stop handling, and errors that leave the engine usable."""
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -101,11 +103,21 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: Engine("qwen2.5-coder-1.5"), r"did you mean 'qwen2.5-coder-1.5b'\?"),
         (lambda: Engine(model, attention_backend="flash"), r"attention_backend must be one of \('sdpa', 'triton'\)"),
         (lambda: Engine(str(tmp_path / "missing-model")), "not a model"),
+        (lambda: SamplingParams(ignore_eos="no"), "ignore_eos must be True or False"),  # not taken as true
+        (lambda: Engine(model, max_batch_size=2.5), "max_batch_size must be an int >= 1"),
+        (lambda: Engine(model, max_seq_len=True), "max_seq_len must be an int >= 2"),
+        (lambda: Engine(model, drafters=None), r"drafters must be a list .*\[\] for none"),
+        (lambda: Engine(model, native="yes"), "native must be None"),
+        (lambda: Engine(model, tokenizer="abc"), "tokenizer must be None"),
+        (lambda: engine.generate([[1]], strategy=Autoregressive), r"e\.g\. Autoregressive\(\), got the class"),
+        (lambda: csd_engine.Speculative(drafter="0"), r"Speculative\(drafter=\.\.\.\) must be an int >= 0"),
+        (lambda: csd_engine.Speculative.auto(drafter=True), r"Speculative.auto\(drafter=\.\.\.\) must be"),
     ]
     for call, words in bad:
         with pytest.raises((ValueError, TypeError), match=words):
             call()
         assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == good
+    assert engine.generate((1, 2, 3), SamplingParams(max_new_tokens=4))[0].token_ids == good  # a tuple: one prompt
     # the bounds themselves are served
     extreme = SamplingParams(temperature=1e-6, top_k=2 ** 31 - 1, seed=2 ** 63 - 1, max_new_tokens=4)
     assert engine.generate([[1, 2, 3]], extreme)[0].token_ids == good  # (1e-6: greedy but for exact ties)
@@ -175,9 +187,13 @@ def test_seed_none_is_fresh_per_request_and_stops_add_to_eos():
     assert eos_only.token_ids == free[:free.index(free[6]) + 1]
     ignored = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
     assert ignored.token_ids == free
-    assert SamplingParams(max_tokens=5).max_new_tokens == 5
-    with pytest.raises(ValueError, match="disagree"):
-        SamplingParams(max_tokens=5, max_new_tokens=6)
+    assert SamplingParams(max_tokens=5).max_new_tokens == 5 and SamplingParams().max_new_tokens == 64
+    for max_new_tokens in (6, 64):  # 64 given is not "not given"
+        with pytest.raises(ValueError, match="disagree"):
+            SamplingParams(max_tokens=5, max_new_tokens=max_new_tokens)
+    # dataclasses.replace passes every field again: the alias must not pin the old value
+    assert [replace(SamplingParams(max_new_tokens=10), max_new_tokens=n).max_new_tokens for n in (64, 20)] == [64, 20]
+    assert replace(SamplingParams(max_tokens=10), max_new_tokens=20).max_new_tokens == 20
 
 
 def test_each_request_has_its_own_wall_time_and_time_to_first_token():

@@ -2,6 +2,7 @@
 K and lenience; sampling follows the target at every temperature, lenience included."""
 import dataclasses
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -125,12 +126,20 @@ def test_auto_refuses_drafters_it_cannot_tune_naming_them(models):
         assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids  # still usable
 
 
-def test_bad_lenience_and_mag_tokens():
-    for bad in (0.5, -1, "2"):
-        with pytest.raises(ValueError, match="lenience"):
-            Cascade(lenience=bad)
-    with pytest.raises(ValueError, match="mag_tokens"):
-        Cascade(mag_tokens=0)
+def test_bad_settings_are_refused_by_the_fixed_and_the_self_tuning_cascade():
+    shared = [("lenience", bad) for bad in (0.5, -1, "2", True, float("nan"), float("inf"))] + \
+        [("mag_tokens", bad) for bad in (0, 1.0, True)] + [("direct_match", bad) for bad in (-1, "a", 2.0)] + \
+        [("direct_tokens", bad) for bad in (0, None)]
+    for make, owner in ((Cascade, "Cascade"), (Cascade.auto, "Cascade.auto")):
+        for name, bad in shared:
+            with pytest.raises(ValueError, match=rf"^{re.escape(owner)}\({name}=\.\.\.\) must be"):
+                make(**{name: bad})
+    pricing = [("prior", bad) for bad in (0, -1, float("nan"), "4")] + [("prior_rate", bad) for bad in (1, -0.1, True)] \
+        + [(name, bad) for name in ("model_cost", "width_cost") for bad in (-0.1, "a", True, float("inf"))]
+    for make, owner in ((Cascade.auto, "Cascade.auto"), (Speculative.auto, "Speculative.auto")):
+        for name, bad in pricing:
+            with pytest.raises(ValueError, match=rf"^{re.escape(owner)}\({name}=\.\.\.\) must be"):
+                make(**{name: bad})
 
 
 def test_auto_is_lossless(models):
@@ -629,7 +638,7 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
-    with pytest.raises(ValueError, match="width_cost must be >= 0"):
+    with pytest.raises(ValueError, match=r"width_cost=\.\.\.\) must be a number >= 0"):
         Cascade.auto(width_cost=-0.1)
 
 

@@ -210,4 +210,6 @@ def test_bad_configurations_are_refused():
     for too_big in (Staged(branching=(1,) * 129), Staged(branching=(4, 4, 4), mag_tokens=120)):
         with pytest.raises(ValueError, match="headroom"):
             engine.generate([[1, 2]], params, strategy=too_big)
+    with pytest.raises(ValueError, match=r"feeds 2199023255551 tokens per forward, more than the cache's"):
+        engine.generate([[1, 2]], params, strategy=Staged(branching=(2,) * 40))  # at once, never built
     assert engine.generate([[1, 2]], params, strategy=Staged(branching=(2, 2)))[0].token_ids
