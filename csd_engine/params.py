@@ -14,10 +14,11 @@ class SamplingParams:
     the same request with the same seed gives the same tokens whatever else shares the batch.
     stop_token_ids end a request in addition to the model's end-of-sequence tokens (the
     tokenizer's and the generation config's) unless ignore_eos; max_tokens, OpenAI's name, may be
-    given instead of max_new_tokens (default 64) and is moved into it (then None). stop: strings that end a request, its text cut before the first one (also
-    when a speculative step committed tokens past it; the token ids end with the token that
-    completed it). logprobs: return each token's log-probability under the target's processed
-    distribution (temperature, top-k, top-p; the raw model's for greedy rows)."""
+    given instead of max_new_tokens (default 64) and is moved into it (then None). stop: strings
+    that end a request, its text cut before the first one (also when a speculative step
+    committed tokens past it; the token ids end with the token that completed it). logprobs:
+    return each token's log-probability under the target's processed distribution
+    (temperature, top-k, top-p; the raw model's for greedy rows)."""
 
     temperature: float = 0.0
     top_k: int = 0
