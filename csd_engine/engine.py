@@ -18,6 +18,7 @@ to the device only in a step where a row joined or left. Exceptions, by design: 
 (transformers) runner crops each row's cache on the host; Pearl's worker thread joins on the
 host; kernel input checks read values only when asked (tests).
 """
+import os
 import threading
 
 import torch
@@ -65,7 +66,7 @@ class Engine:
                  max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool | str = False,
                  fused_kernels: bool | None = None, drafter_device=None, batch_invariant: bool = False):
-        if isinstance(drafters, (str, torch.nn.Module, MaG)):
+        if isinstance(drafters, (str, os.PathLike, torch.nn.Module, MaG)):
             drafters = [drafters]
         if drafters is None or not isinstance(drafters, (list, tuple)):
             raise TypeError(f"drafters must be a list (of zoo names, folders, models or 'mag'; [] for none), "
@@ -110,6 +111,13 @@ class Engine:
         if batch_invariant:
             self._make_batch_invariant()
         self.capacity = max_seq_len + HEADROOM
+        for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
+                                [self.target, *self.drafters]):
+            window = getattr(runner, "attention_window", None)
+            if window is not None and self.capacity > window:  # full attention equals the window's inside it
+                raise ValueError(f"{name} attends over a sliding window of {window} tokens; csd_engine attends to "
+                                 f"the whole sequence, the same while it fits the window with {HEADROOM} slots for "
+                                 f"drafts: max_seq_len must be at most {window - HEADROOM}, got {max_seq_len}")
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches

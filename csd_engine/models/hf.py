@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from csd_engine.models.runner import ForwardBatch, Runner
+from csd_engine.models.runner import ForwardBatch, Runner, attention_window
 
 
 class _Lengths:
@@ -53,6 +53,7 @@ class HFRunner(Runner):
         self.device = torch.device(device)
         self.vocab_size = hf_model.config.vocab_size
         self.num_params = sum(p.numel() for p in hf_model.parameters())
+        self.attention_window = attention_window(hf_model.config)
         self.caches: list[DynamicCache] = []
 
     def allocate(self, batch: int, capacity: int) -> None:

@@ -40,9 +40,22 @@ from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
 from csd_engine.models.quant import QuantizedLinear, linear, parse_scheme, quantize_weight
-from csd_engine.models.runner import ForwardBatch, Runner
+from csd_engine.models.runner import ForwardBatch, Runner, attention_window
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def unsupported(cfg) -> str | None:
+    """Why the native runner cannot run a model of a native type, or None: it computes a
+    SiLU-gated MLP without biases and rotary frequencies fixed at load."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (its MLP is SiLU-gated)"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases (mlp_bias=True)"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        return "rope_type 'dynamic' (its frequencies change with the sequence's length)"
+    return None
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # Matmul rows per block in batch-invariant mode. On this CPU (Qwen 1.5B, bf16, batch 1) 16 rows
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
@@ -89,9 +102,10 @@ class LlamaRunner(Runner):
                 warnings.warn("quantize='int8' on CUDA runs torch's one-thread-per-output int8 kernel: a forward "
                               "took 8.7-85x the bf16 one on an H100 (docs/measurements.md, GPU); 'int4' took 0.5x",
                               stacklevel=2)
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise ValueError("sliding-window attention is not supported by the native runner; "
-                             "use the generic runner (native=False)")
+        reason = unsupported(cfg)
+        if reason:
+            raise ValueError(f"the native runner cannot run this model: {reason} (the generic runner can: native=False)")
+        self.attention_window = attention_window(cfg)
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers = cfg.num_hidden_layers
@@ -156,8 +170,6 @@ class LlamaRunner(Runner):
                 gate_up=matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=matrix(p + "mlp.down_proj.weight"),
             ))
-            if maybe(p + "mlp.gate_proj.bias") is not None:
-                raise ValueError("MLP biases (mlp_bias=True) are not supported by the native runner")
 
     @property
     def weight_bytes(self) -> int:

@@ -12,16 +12,20 @@ first L layers (an early-exit drafter, `LlamaRunner.truncated`): "qwen2.5-coder-
 A spec loads its own copy of the model; to share weights with a runner already loaded, pass
 `runner.truncated(L)` itself (a Runner is accepted wherever a spec is).
 """
+import copy
 import difflib
 import logging
 import os
 import pathlib
 import re
+import socket
+import struct
+from urllib.parse import urlparse
 
 import torch
 
 from csd_engine.models.hf import HFRunner
-from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner
+from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner, unsupported
 from csd_engine.models.quant import parse_scheme
 from csd_engine.models.runner import Runner
 
@@ -38,19 +42,43 @@ def _split_revision(hub_id: str) -> tuple[str, dict]:
     return name, {"revision": revision}
 
 
-_SUFFIXES = re.compile(r"^(?P<model>.+?)(?::(?P<quantize>int\w+))?(?:\[:(?P<layers>-?\d+)\])?$")
+_SUFFIXES = re.compile(r"^(?P<model>.+?)(?::(?P<quantize>int\w+))?(?:\[:(?P<layers>-?\d+)\])?$", re.IGNORECASE)
 
 
 def split_spec(spec: str) -> tuple[str, str | None, int | None]:
     """(model, quantize scheme or None, early-exit layers or None) of a string spec. A spec that
     names an existing file or folder is taken whole."""
+    spec = os.path.expanduser(spec)
     match = _SUFFIXES.match(spec)
     if os.path.exists(spec) or match is None:
         return spec, None, None
     quantize, layers = match["quantize"], match["layers"]
+    if (re.search(r":[^/]*$", match["model"]) or "[:" in match["model"]) and not os.path.exists(match["model"]):
+        # "name: int4", "name[:4]:int8": a suffix that is neither a scheme nor in order
+        raise ValueError(f"{spec!r}: cannot read its suffix; a spec is MODEL[:int8 | :int4 | :int4gG][[:L]] "
+                         "(quantization first, then the early exit's layers)")
     if quantize is not None:
+        quantize = quantize.lower()
         parse_scheme(quantize)
     return match["model"], quantize, None if layers is None else int(layers)
+
+
+def _is_gguf(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the model hub answers at all (HF_HUB_OFFLINE says it cannot): without a network,
+    transformers retries for most of a minute before failing."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
@@ -61,7 +89,7 @@ def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
     folder, extra = spec, {}
     if zoo.is_zoo_name(spec):
         folder = str(zoo.resolve(spec))
-    elif spec.endswith(".gguf"):
+    elif _is_gguf(spec):
         if not os.path.isfile(spec):
             raise ValueError(f"GGUF file not found: {spec!r}")
     elif os.path.isdir(spec):
@@ -75,15 +103,18 @@ def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
             raise ValueError(f"{spec!r} is not a model: did you mean {near[0]!r}? (zoo names: {', '.join(zoo.MODELS)}; "
                              "'mag' for the MaG drafter; or a model folder, a .gguf file or a hub id)")
         folder, extra = _split_revision(spec)
+        if not _hub_reachable():  # then only a model already in the hub's local cache loads
+            extra["local_files_only"] = True
     try:
-        if spec.endswith(".gguf"):
+        if _is_gguf(spec):
             model, tokenizer = zoo.load_gguf(pathlib.Path(spec).resolve(), dtype)
             return model.eval(), tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, struct.error) as exc:  # struct: a GGUF cut short in its header
+        offline = " (the hub is not reachable from here)" if extra.get("local_files_only") else ""
         raise ValueError(f"{spec!r} is not a model: expected a zoo name ({', '.join(zoo.MODELS)}), "
-                         f"a model folder, a .gguf file or a reachable hub id ({exc.__class__.__name__}: "
-                         f"{str(exc).splitlines()[0][:200]})") from None
+                         f"a model folder, a .gguf file or a reachable hub id{offline} ({exc.__class__.__name__}: "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else 'unreadable file'})") from None
     if not with_tokenizer:
         return model.eval(), None
     try:
@@ -129,6 +160,8 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
                              "(build it with LlamaRunner(..., quantize=...))")
         return spec, getattr(spec, "tokenizer", None)
     tokenizer, layers = None, None
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if isinstance(spec, str):
         spec, suffix_scheme, layers = split_spec(spec)
         if suffix_scheme is not None and quantize not in (None, suffix_scheme):
@@ -136,21 +169,31 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
         quantize = quantize or suffix_scheme
         model, tokenizer = _load_hf(spec, dtype, with_tokenizer)
     elif isinstance(spec, torch.nn.Module) and hasattr(spec, "config"):
+        if not (hasattr(spec, "can_generate") and spec.can_generate()):
+            raise TypeError(f"a transformers model must be a causal language model (what AutoModelForCausalLM "
+                            f"loads, e.g. LlamaForCausalLM), got {type(spec).__name__}")
         model = spec.eval()
     else:
         raise TypeError(f"a model must be a path, hub id, zoo name, transformers model or Runner; got {type(spec).__name__}")
     model_type = model.config.model_type
-    if native is True and model_type not in NATIVE_MODEL_TYPES:
-        raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}")
-    if native is not False and model_type in NATIVE_MODEL_TYPES:
+    reason = unsupported(model.config) if model_type in NATIVE_MODEL_TYPES else None
+    if native is True and (model_type not in NATIVE_MODEL_TYPES or reason):
+        raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}" if not reason else
+                         f"the native runner cannot run this model: {reason} (the generic runner can: native=False)")
+    if native is not False and model_type in NATIVE_MODEL_TYPES and not reason:
         runner = LlamaRunner(model, device, dtype, attention_backend, fused=fused, quantize=quantize,
                              dense_rows=dense_rows)
         runner = runner if layers is None else runner.truncated(layers)
     elif quantize is not None or layers is not None:
         raise ValueError(f"quantized weights and early exits ([:L]) need the native runner, which supports "
                          f"{NATIVE_MODEL_TYPES}; this model is {model_type!r}" +
-                         (" and native=False" if native is False else ""))
+                         (f" ({reason})" if reason else " and native=False" if native is False else ""))
     else:
+        if reason:
+            log.info("%s: the generic runner, since the native one cannot run %s", model_type, reason)
+        weight = next(model.parameters())
+        if model is spec and (weight.dtype != dtype or weight.device != torch.device(device)):
+            model = copy.deepcopy(model)  # the caller's model stays as it was, as the native runner's copy leaves it
         runner = HFRunner(model.to(device=device, dtype=dtype), device)
     runner.eos_token_ids = eos_token_ids(model, tokenizer)
     log.debug("%s (%s): %s on %s in %s, EOS ids %s", spec if isinstance(spec, str) else type(spec).__name__,

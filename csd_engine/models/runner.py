@@ -31,6 +31,18 @@ class ForwardBatch:
         return cls(tokens, positions, kv_bound, None, need_logits)
 
 
+def attention_window(config) -> int | None:
+    """The sliding window a model's attention keeps (Mistral's `sliding_window`, Qwen2's with
+    `use_sliding_window`, any layer of `layer_types` "sliding_attention"), or None: full attention.
+    csd_engine's runners attend to the whole sequence, which equals the window's result while the
+    sequence fits in it (the engine bounds max_seq_len by it)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    return window if layer_types is None or "sliding_attention" in layer_types else None
+
+
 class Runner:
     """Base of the native and the generic runner: owns the static cache and the bookkeeping."""
 
@@ -43,6 +55,8 @@ class Runner:
     cache: KVCache | None = None
     # Every token id that ends a generation (tokenizer and generation config; see loader.eos_token_ids).
     eos_token_ids: tuple[int, ...] = ()
+    # The model's sliding attention window (attention_window), None for full attention.
+    attention_window: int | None = None
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None

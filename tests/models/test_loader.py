@@ -55,3 +55,94 @@ def test_a_gguf_path_loads_like_the_zoo_folder():
 
     results = [engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8))[0] for engine in engines]
     assert results[0].token_ids == results[1].token_ids and results[0].text == results[1].text
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_what_the_native_runner_cannot_compute_goes_to_the_generic_one_or_is_refused():
+    """A GELU MLP or dynamic RoPE on a native architecture: the generic runner, whose greedy
+    tokens are transformers' own (the native one silently diverged); native=True names why not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from csd_engine.models.hf import HFRunner
+    from tests.tiny_models import _finish
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=16)
+    for extra, words in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+                         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+                          "rope_type 'dynamic'")):
+        model = _finish(LlamaForCausalLM(LlamaConfig(**base, **extra)), seed=4, scale=1.5)
+        engine = Engine(model, max_batch_size=1, max_seq_len=48)
+        assert isinstance(engine.target, HFRunner)
+        prompt = [5, 9, 2, 7]
+        assert engine.generate([prompt], SamplingParams(max_new_tokens=30))[0].token_ids == _hf_greedy(model, prompt, 30)
+        with pytest.raises(ValueError, match=words):
+            Engine(model, max_batch_size=1, max_seq_len=48, native=True)
+
+
+def test_a_sliding_window_bounds_max_seq_len():
+    """Full attention equals a sliding window's while the sequence fits in it: inside, Mistral's
+    and Qwen2's windows run (exactly transformers' tokens); past it, refused by name."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_models import _finish
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    models = [_finish(MistralForCausalLM(MistralConfig(**base, sliding_window=400)), seed=5, scale=1.5),
+              _finish(Qwen2ForCausalLM(Qwen2Config(**base, sliding_window=400, use_sliding_window=True,
+                                                   max_window_layers=0)), seed=6, scale=1.5)]
+    for model in models:
+        for native in (None, False):
+            with pytest.raises(ValueError, match=r"sliding window of 400 tokens.*max_seq_len must be at most 144"):
+                Engine(model, max_batch_size=1, max_seq_len=145, native=native)
+            engine = Engine(model, max_batch_size=1, max_seq_len=64, native=native)
+            prompt = [3, 1, 4, 1, 5]
+            assert engine.generate([prompt], SamplingParams(max_new_tokens=20))[0].token_ids == \
+                _hf_greedy(model, prompt, 20)
+
+
+def test_model_specs_users_write():
+    """A pathlib.Path and '~' work like the path; a quantization suffix in any case works; one
+    out of order is refused by its form, not 'did you mean'; a transformers model that is not a
+    causal LM is refused at load; the generic runner leaves the caller's model as it was."""
+    import pathlib
+
+    from transformers import BertConfig, BertModel
+
+    from csd_engine.models.loader import split_spec
+    from tests.tiny_models import tiny_gpt2
+    assert split_spec("smollm2-135m:INT4") == ("smollm2-135m", "int4", None)
+    assert split_spec("~/m:int8[:2]")[0] == str(pathlib.Path.home() / "m")
+    with pytest.raises(ValueError, match=r"cannot read its suffix; a spec is MODEL\[:int8"):
+        split_spec("smollm2-135m[:4]:int8")
+    with pytest.raises(TypeError, match="must be a causal language model .* got BertModel"):
+        Engine(BertModel(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=64)))
+    gpt2 = tiny_gpt2(seed=3).to(torch.bfloat16)
+    Engine(gpt2, max_batch_size=1, max_seq_len=32)  # float32
+    assert next(gpt2.parameters()).dtype == torch.bfloat16
+
+
+def test_a_path_object_and_a_broken_gguf(tmp_path):
+    model = tiny_llama(seed=2)
+    model.save_pretrained(tmp_path / "tiny")
+    engine = Engine(tmp_path / "tiny", drafters=tmp_path / "tiny", max_batch_size=1, max_seq_len=32)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == _hf_greedy(model, [1, 2, 3], 4)
+    broken = tmp_path / "cut.GGUF"  # a header cut short (and the extension in capitals)
+    broken.write_bytes(zoo.fetch_gguf("smollm2-135m").read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cut\.GGUF' is not a model"):
+        Engine(str(broken))
+
+
+def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):
+    """No retries for most of a minute: an unreachable hub loads only what its cache holds."""
+    from csd_engine.models import loader
+    monkeypatch.setattr(loader, "_hub_reachable", lambda: False)
+    with pytest.raises(ValueError, match=r"'org/no-such-model' is not a model.*the hub is not reachable from here"):
+        Engine("org/no-such-model")
