@@ -141,6 +141,7 @@ class KeptSteps:
     decoder: object
     state: DecodeState
     graphs: StepGraphs
+    flags: list  # each runner's nonfinite_rows, which the graphs write
 
 
 def _fresh_seed() -> int:
@@ -186,17 +187,17 @@ class Scheduler:
             self.state = kept.state if reuse else self._empty_state(rows)
             if reuse:
                 self.state.clear()
-            for runner in engine.models():
+            for i, runner in enumerate(engine.models()):
                 runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
-                if reuse:  # the kept graphs write this very tensor
-                    runner.nonfinite_rows.zero_()
-                else:
-                    runner.nonfinite_rows = torch.zeros(rows, dtype=torch.bool, device=runner.device)
+                # this scheduler's flags (unset at close); where kept graphs are replayed, the tensor they write
+                runner.nonfinite_rows = kept.flags[i].zero_() if reuse else \
+                    torch.zeros(rows, dtype=torch.bool, device=runner.device)
                 runner.cache.reset()
             decoder.start(self.state)
             self.step_graphs = kept.graphs if reuse else self._step_graphs()
             if self.step_graphs is not None:
-                engine._kept_steps = KeptSteps(strategy, rows, decoder, self.state, self.step_graphs)
+                engine._kept_steps = KeptSteps(strategy, rows, decoder, self.state, self.step_graphs,
+                                               [runner.nonfinite_rows for runner in engine.models()])
         except BaseException:
             self.close()
             raise
@@ -261,6 +262,8 @@ class Scheduler:
         """Give the engine's caches back (the scheduler cannot be used afterwards)."""
         if not self.closed:
             self.closed = True
+            for runner in self.engine.models():  # a runner called outside a scheduler flags nothing
+                runner.nonfinite_rows = None
             self.engine._busy.release()
 
     def __enter__(self):

@@ -138,6 +138,20 @@ def test_every_bit_of_a_seed_counts():
     assert again[0].token_ids == runs[2].token_ids
 
 
+def test_a_runner_called_outside_generate_flags_nothing():
+    """The non-finite flags belong to a generate call: afterwards the runner holds none, so it can
+    be called at another batch size (a benchmark wrapping it in a CUDA graph of 8 rows did)."""
+    from csd_engine.models.runner import ForwardBatch
+    engine = Engine(tiny_llama(seed=3), max_batch_size=1, max_seq_len=32)
+    first = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids
+    runner = engine.target
+    assert runner.nonfinite_rows is None
+    runner.allocate(4, engine.capacity)
+    ids = torch.tensor([[5], [6], [7], [8]])
+    assert runner(ForwardBatch.chain(ids, runner.cache.lengths, 1)).shape[:2] == (4, 1)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == first
+
+
 def test_public_api_exports():
     assert {"Engine", "SamplingParams", "Autoregressive", "Speculative"} <= set(csd_engine.__all__)
     assert isinstance(Autoregressive(), Autoregressive)
