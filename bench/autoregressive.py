@@ -7,7 +7,7 @@ model, same prompts, same dtype, greedy, batch 1.
 Each prompt is decoded by both, `--repeats` times, the first prompt after a warm-up run.
 tokens/s: all tokens over the summed median seconds; min-max: the prompts' median tokens/s.
 Text prompts are tokenized as they are (no chat template), chat prompts through the template.
-JSON: bench/results/autoregressive-*.json.
+JSON: bench/results/autoregressive-*.json, and its picture (tokens/s per method) beside it.
 """
 import sys
 from pathlib import Path
@@ -23,20 +23,25 @@ from bench.common import encode, load_prompts, print_table  # noqa: E402
 
 
 def main(argv=None):
-    ap = harness.parser(__doc__, target="smollm2-135m", dtype="float32", max_new_tokens=64, repeats=1)
-    ap.add_argument("--prompts", type=int, default=6, help="how many prompts of bench/prompts.json, in file order")
+    ap = harness.parser(__doc__, dry_run={"prompts": 2, "max_new_tokens": 8}, target="smollm2-135m", dtype="float32",
+                        max_new_tokens=64, repeats=1)
+    ap.add_argument("--prompts", type=harness.positive_int, default=6,
+                    help="how many prompts of bench/prompts.json, in file order (default 6)")
     args = ap.parse_args(argv)
+    available = len(load_prompts())
+    if args.prompts > available:
+        ap.error(f"--prompts {args.prompts}: bench/prompts.json has {available}")
     harness.start(args)
-    if args.dry_run:
-        args.prompts, args.max_new_tokens = min(args.prompts, 2), min(args.max_new_tokens, 8)
     dtype = harness.DTYPES[args.dtype]
     tok = harness.load_tokenizer(args.target, args.dry_run)
     hf = harness.load_model(args.target, dtype, args.dry_run)
-    # the engine loads its own copy (a tiny model is passed as it is)
-    engine = csd_engine.Engine(target=hf if args.dry_run else harness.resolve_model(args.target), dtype=dtype, max_batch_size=1, max_seq_len=1024, tokenizer=tok)
-    params = csd_engine.SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     prompts = [encode(tok, p, chat=False, max_tokens=48 if args.dry_run else None)
                for p in load_prompts(args.prompts)]
+    # the engine loads its own copy (a tiny model is passed as it is)
+    engine = csd_engine.Engine(target=hf if args.dry_run else harness.resolve_model(args.target), dtype=dtype,
+                               max_batch_size=1, max_seq_len=harness.capacity(prompts, args.max_new_tokens),
+                               tokenizer=tok)
+    params = csd_engine.SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
 
     def run_hf(ids):
         x = torch.tensor([ids])

@@ -30,22 +30,23 @@ def load_prompts(limit: int | None = None, categories: str | None = None, per_ca
                  path: str | Path | None = None) -> list[dict]:
     """The entries of bench/prompts.json, or of the file at `path` in its format ({"category", and
     "prompt" (text) or "messages" (chat)}), in file order: those of `categories` (comma-separated;
-    default all), at most `per_category` of each, at most `limit` in all."""
+    default all), at most `per_category` of each, at most `limit` in all. A file that cannot be
+    read or holds no prompts, or an unknown category, is a ValueError saying so."""
     path = Path(path) if path else HERE / "prompts.json"
     try:
         prompts = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"cannot read prompts from {path}: {exc}; expected {PROMPTS_FORMAT}") from None
+        raise ValueError(f"cannot read prompts from {path}: {exc}; expected {PROMPTS_FORMAT}") from None
     if not isinstance(prompts, list) or not prompts:
-        raise SystemExit(f"{path} holds no prompts; expected {PROMPTS_FORMAT}")
+        raise ValueError(f"{path} holds no prompts; expected {PROMPTS_FORMAT}")
     for i, p in enumerate(prompts):
         if not _is_prompt(p):
-            raise SystemExit(f"{path}: entry {i} is not a prompt ({str(p)[:80]}); expected {PROMPTS_FORMAT}")
+            raise ValueError(f"{path}: entry {i} is not a prompt ({str(p)[:80]}); expected {PROMPTS_FORMAT}")
     if categories:
         wanted = {ALIASES.get(c, c) for c in categories.split(",")}
         unknown = wanted - {p["category"] for p in prompts}
         if unknown:
-            raise SystemExit(f"no prompts of categories {sorted(unknown)} in {path} (it has "
+            raise ValueError(f"no prompts of categories {sorted(unknown)} in {path} (it has "
                              f"{sorted({p['category'] for p in prompts})})")
         prompts = [p for p in prompts if p["category"] in wanted]
     if per_category:

@@ -18,11 +18,13 @@ configurations run side by side in one interleaved run, e.g.
     --methods 'ar,cascade-int4,cascade-int4:K=[[3,4],[0,4]]:l=3,cascade-int4:K=[[4,8],[0,4]]:m=6'
 (K: --k-matrix, l: --lenience, m: --mag-tokens, tree: --tree, k: --k, cost: --model-cost).
 """
+import argparse
 import json
 import statistics
 import sys
 import time
 from argparse import Namespace
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -99,28 +101,40 @@ class EngineMethod:
         return result.token_ids, result.metrics
 
 
-def reads(factory, *settings: str):
-    """`factory` with the per-method settings (OVERRIDES' names) it reads, so others are refused."""
-    factory.settings = settings
-    return factory
+@dataclass(frozen=True)
+class OnEngine:
+    """A csd_engine method: the strategy `build(args)` makes, decoding on the engine whose drafters
+    are the 0.5B (with `scheme` weights: None, "int8", "int4") and MaG, or MaG alone (`mag_only`).
+    `settings`: the per-method settings (OVERRIDES' names) it reads, so others are refused."""
+    build: Callable
+    scheme: str | None = None
+    mag_only: bool = False
+    settings: tuple = ()
+
+    def strategy(self, args):
+        """The strategy of these arguments; ValueError (the strategy's own, or where it does not fit
+        this engine's drafters) before any model is loaded."""
+        strategy = self.build(args)
+        harness.fits_drafters(strategy, [True] if self.mag_only else [False, True])
+        return strategy
+
+    def __call__(self, setup: Setup, args) -> EngineMethod:
+        engine = (setup.engine_mag if self.mag_only else setup.engine if self.scheme is None
+                  else setup.engine_quantized(self.scheme))
+        return EngineMethod(engine, self.build(args))
 
 
-def _engine(setup: Setup, scheme: str | None) -> csd_engine.Engine:
-    return setup.engine if scheme is None else setup.engine_quantized(scheme)
+def k_cascade(scheme: str | None = None, tree: bool = False) -> OnEngine:
+    """Cascade(--k-matrix, --lenience, --mag-tokens[, --tree]) over [0.5B (`scheme`), MaG]."""
+    return OnEngine(lambda a: Cascade(k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
+                                      tree=json.loads(a.tree) if tree else ()),
+                    scheme, settings=("K", "l", "m", *(("tree",) if tree else ())))
 
 
-def k_cascade(scheme: str | None = None, tree: bool = False):
-    """Factory of Cascade(--k-matrix, --lenience, --mag-tokens[, --tree]) over [0.5B (`scheme`), MaG]."""
-    return reads(lambda s, a: EngineMethod(_engine(s, scheme), Cascade(
-        k_matrix=json.loads(a.k_matrix), lenience=a.lenience, mag_tokens=a.mag_tokens,
-        tree=tuple(json.loads(a.tree)) if tree else ())), "K", "l", "m", *(("tree",) if tree else ()))
-
-
-def self_tuning(strategy, scheme: str | None = None, tree: bool = False):
-    """Factory of `strategy`.auto(model_cost=--model-cost[, tree=--tree]) over [0.5B (`scheme`), MaG]."""
-    return reads(lambda s, a: EngineMethod(_engine(s, scheme), strategy.auto(
-        model_cost=a.model_cost, **({"tree": tuple(json.loads(a.tree))} if tree else {}))),
-        "cost", *(("tree",) if tree else ()))
+def self_tuning(strategy, scheme: str | None = None, tree: bool = False) -> OnEngine:
+    """`strategy`.auto(model_cost=--model-cost[, tree=--tree]) over [0.5B (`scheme`), MaG]."""
+    return OnEngine(lambda a: strategy.auto(model_cost=a.model_cost, **({"tree": json.loads(a.tree)} if tree else {})),
+                    scheme, settings=("cost", *(("tree",) if tree else ())))
 
 
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
@@ -128,19 +142,17 @@ METHODS = {
     "hf": ("transformers generate", lambda s, a: Transformers(s)),
     "hf-assisted": ("transformers assisted (0.5B)", lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
     "hf-lookup": ("transformers prompt lookup", lambda s, a: Transformers(s, dict(prompt_lookup_num_tokens=10))),
-    "ar": ("csd_engine Autoregressive", lambda s, a: EngineMethod(s.engine, Autoregressive())),
+    "ar": ("csd_engine Autoregressive", OnEngine(lambda a: Autoregressive())),
     "spec-model": ("csd_engine Speculative(0.5B, k={k})",
-                   reads(lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0)), "k")),
+                   OnEngine(lambda a: Speculative(k=a.k, drafter=0), settings=("k",))),
     "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
-                        reads(lambda s, a: EngineMethod(s.engine, Speculative(k=a.k, drafter=0, min_confidence=0.4)),
-                              "k")),
+                        OnEngine(lambda a: Speculative(k=a.k, drafter=0, min_confidence=0.4), settings=("k",))),
     "spec-auto": ("csd_engine Speculative.auto(0.5B)", self_tuning(Speculative)),
     "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)", self_tuning(Speculative, "int8")),
     "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)", self_tuning(Speculative, "int4")),
     "spec-auto-conf": ("csd_engine Speculative.auto(0.5B, min_confidence=0.4)",
-                       lambda s, a: EngineMethod(s.engine, Speculative.auto(min_confidence=0.4))),
-    "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})",
-                 lambda s, a: EngineMethod(s.engine, Speculative(k=a.k_mag, drafter=1))),
+                       OnEngine(lambda a: Speculative.auto(min_confidence=0.4))),
+    "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})", OnEngine(lambda a: Speculative(k=a.k_mag, drafter=1))),
     "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})", k_cascade()),
     "cascade-tree": ("csd_engine Cascade(same, tree={tree})", k_cascade(tree=True)),
     "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int8")),
@@ -148,24 +160,31 @@ METHODS = {
     "cascade-int4-tree": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g}, tree={tree})",
                           k_cascade("int4", tree=True)),
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
-                    lambda s, a: EngineMethod(s.engine_mag, Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8))),
+                    OnEngine(lambda a: Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8), mag_only=True)),
     "cascade-auto": ("csd_engine Cascade.auto()", self_tuning(Cascade)),
     "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)", self_tuning(Cascade, "int8")),
     "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)", self_tuning(Cascade, "int4")),
     "cascade-auto-int4-tree": ("csd_engine Cascade.auto(0.5B int4, tree={tree})", self_tuning(Cascade, "int4", tree=True)),
     "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
-               lambda s, a: EngineMethod(s.engine, Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
+               OnEngine(lambda a: Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
     # pearl-overlap runs PEARL's concurrent rounds anyway.
-    "pearl": ("csd_engine Pearl(0.5B, gamma={k})",
-              reads(lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0)), "k")),
+    "pearl": ("csd_engine Pearl(0.5B, gamma={k})", OnEngine(lambda a: Pearl(gamma=a.k, drafter=0), settings=("k",))),
     "pearl-overlap": ("csd_engine Pearl(0.5B, gamma={k}, overlap=True)",
-                      reads(lambda s, a: EngineMethod(s.engine, Pearl(gamma=a.k, drafter=0, overlap=True)), "k")),
+                      OnEngine(lambda a: Pearl(gamma=a.k, drafter=0, overlap=True), settings=("k",))),
 }
 
 
-OVERRIDES = {"K": ("k_matrix", str), "l": ("lenience", float), "m": ("mag_tokens", int), "tree": ("tree", str),
-             "k": ("k", int), "cost": ("model_cost", float)}
+def json_text(text: str) -> str:
+    """argparse type of a K matrix or tree: JSON, kept as its compact text (the labels show it)."""
+    try:
+        return json.dumps(json.loads(text), separators=(",", ":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected JSON, e.g. [[2,4],[0,4]] or [3,2]; got {text!r}") from None
+
+
+OVERRIDES = {"K": ("k_matrix", json_text), "l": ("lenience", float), "m": ("mag_tokens", int),
+             "tree": ("tree", json_text), "k": ("k", int), "cost": ("model_cost", float)}
 
 
 def split_methods(text: str) -> list[str]:
@@ -183,11 +202,12 @@ def split_methods(text: str) -> list[str]:
 
 def method_args(args, key: str):
     """(METHODS key, a copy of the arguments with the settings of `key` ("name:K=..:l=..") applied);
-    ValueError for an unknown method, setting or value, or a setting the method does not read."""
+    ValueError for an unknown method, setting or value, a setting given twice, or a setting the
+    method does not read."""
     name, *settings = key.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    own = Namespace(**vars(args))
+    own, seen = Namespace(**vars(args)), set()
     for setting in settings:
         short, _, value = setting.partition("=")
         if short not in OVERRIDES or not value:
@@ -197,12 +217,29 @@ def method_args(args, key: str):
         if short not in takes:
             raise ValueError(f"method {key!r}: {name} does not read {short}; its settings: "
                              f"{', '.join(takes) or 'none'}")
+        if short in seen:
+            raise ValueError(f"method {key!r}: {short} is given twice")
+        seen.add(short)
         dest, kind = OVERRIDES[short]
         try:
-            setattr(own, dest, kind(value) if kind is not str else json.dumps(json.loads(value), separators=(",", ":")))
-        except ValueError as exc:
+            setattr(own, dest, kind(value))
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             raise ValueError(f"method {key!r}: {short}={value!r} is not a valid value ({exc})") from None
     return name, own
+
+
+def strategies(args) -> dict:
+    """--methods' keys -> (METHODS key, the key's arguments, its csd_engine strategy or None for
+    transformers' methods); ValueError naming the key where a method or its strategy is wrong."""
+    configured = {}
+    for key in split_methods(args.methods):
+        name, own = method_args(args, key)
+        factory = METHODS[name][1]
+        try:
+            configured[key] = name, own, factory.strategy(own) if isinstance(factory, OnEngine) else None
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"method {key!r}: {exc}") from None
+    return configured
 
 
 def label(key: str, name: str, own) -> str:
@@ -214,21 +251,22 @@ def label(key: str, name: str, own) -> str:
 
 
 def parse_args(argv=None):
-    ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, rounds=2, categories=None, per_category=None, prompts_file=None)
+    ap = harness.parser(__doc__, dry_run={"max_new_tokens": 8, "per_category": 1}, target="qwen2.5-coder-1.5b",
+                        drafter="qwen2.5-coder-0.5b", dtype="bfloat16", max_new_tokens=128, rounds=2, categories=None,
+                        per_category=None, prompts_file=None)
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated keys of METHODS, each optionally with its own settings "
                          "(KEY:K=[[3,4],[0,4]]:l=3, module docstring; default every key)")
-    ap.add_argument("--prompts", type=int, default=None,
+    ap.add_argument("--prompts", type=harness.positive_int, default=None,
                     help="at most this many prompts in all, taken round-robin over the categories")
     ap.add_argument("--k", type=int, default=4, help="draft length of Speculative and Pearl with the 0.5B drafter")
     ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG")
-    ap.add_argument("--k-matrix", default="[[2,4],[0,4]]",
+    ap.add_argument("--k-matrix", type=json_text, default="[[2,4],[0,4]]",
                     help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on the 2-core CPU)")
-    ap.add_argument("--tree", default="[3,2]",
+    ap.add_argument("--tree", type=json_text, default="[3,2]",
                     help="candidates per depth of the top-level tree of cascade-tree, cascade-int4-tree and "
                          "cascade-auto-int4-tree (the tree each row may choose)")
-    ap.add_argument("--k-mag-matrix", default="[[8]]", help="Cascade 1.5B <- MaG")
+    ap.add_argument("--k-mag-matrix", type=json_text, default="[[8]]", help="Cascade 1.5B <- MaG")
     ap.add_argument("--lenience", type=float, default=2.0)
     ap.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call in the K-matrix cascades "
                                                                "(the CLI's default)")
@@ -246,25 +284,19 @@ def parse_args(argv=None):
         ap.error(str(exc))
     if not keys or len(set(keys)) < len(keys):
         ap.error(f"--methods must name at least one method, each once; got {args.methods!r}")
-    for key in keys:
-        try:
-            method_args(args, key)
-        except ValueError as exc:
-            ap.error(str(exc))
-    if args.rounds < 1 or args.max_new_tokens < 1:
-        ap.error("--rounds and --max-new-tokens must be at least 1")
-    if args.dry_run:
-        args.max_new_tokens = min(args.max_new_tokens, 8)
-        args.per_category = args.per_category or 1
+    try:
+        strategies(args)
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     harness.start(args)
-    methods = split_methods(args.methods)
-    configured = {key: method_args(args, key) for key in methods}
-    labels = {key: label(key, name, own) for key, (name, own) in configured.items()}
+    configured = strategies(args)
+    methods = list(configured)
+    labels = {key: label(key, name, own) for key, (name, own, _) in configured.items()}
     prompts = order_by_category(load_prompts(categories=args.categories, per_category=args.per_category,
                                              path=args.prompts_file))
     prompts = prompts[:args.prompts] if args.prompts else prompts
@@ -272,8 +304,8 @@ def main(argv=None):
     tokenizer, target, drafter = harness.load_pair(args)
     clip = DRY_RUN_PROMPT_TOKENS if args.dry_run else None
     encoded = [encode(tokenizer, p, max_tokens=clip) for p in prompts]
-    setup = Setup(args, tokenizer, target, drafter, max_seq_len=max(map(len, encoded)) + args.max_new_tokens + 64)
-    runners = {key: METHODS[name][1](setup, own) for key, (name, own) in configured.items()}
+    setup = Setup(args, tokenizer, target, drafter, max_seq_len=harness.capacity(encoded, args.max_new_tokens))
+    runners = {key: METHODS[name][1](setup, own) for key, (name, own, _) in configured.items()}
 
     harness.progress("warm-up (6 tokens per method)")
     for key in methods:

@@ -247,9 +247,36 @@ def time_costs(target, drafter, ids: list[int], repeats: int) -> tuple[list[tupl
     return [(n, m / one) for n, m in zip(WIDTHS, median)], median[-1] / one
 
 
+# what a recording fixes: --replay takes them from its args, and refuses them on the command line
+RECORDED = ("target", "drafter", "dtype", "max_new_tokens", "repeats", "categories", "per_category", "prompts_file",
+            "quantize")
+
+
+def read_recording(path: str) -> tuple[list[Trace], list[tuple[int, float]], float, dict]:
+    """(traces, width curve, drafter cost, args) of a JSON this script wrote; ValueError saying
+    why where the file is not one."""
+    try:
+        recorded = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path} ({exc})") from None
+    try:
+        traces = [Trace(**trace) for trace in recorded["traces"]]
+        widths = [tuple(w) for w in recorded["costs"]["widths"]]
+        drafter_cost = float(recorded["costs"]["drafter"])
+        args = dict(recorded["args"])
+    except KeyError as exc:
+        raise ValueError(f"{path} is not a recording of bench/draft_policy.py (it has no {exc})") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a recording of bench/draft_policy.py ({exc})") from None
+    if not traces:
+        raise ValueError(f"{path} holds no traces")
+    return traces, widths, drafter_cost, args
+
+
 def parse_args(argv=None):
-    ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
-                        max_new_tokens=128, repeats=5, categories=None, per_category=None, prompts_file=None)
+    ap = harness.parser(__doc__, dry_run={"max_new_tokens": 12, "per_category": 1}, target="qwen2.5-coder-1.5b",
+                        drafter="qwen2.5-coder-0.5b", dtype="bfloat16", max_new_tokens=128, repeats=5, categories=None,
+                        per_category=None, prompts_file=None)
     ap.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
                     help="the drafter's weights (default int4, the README's main command)")
     ap.add_argument("--drafter-cost", type=float, default=None,
@@ -258,17 +285,29 @@ def parse_args(argv=None):
                     help="one more token's cost in a target forward (default: the timed curve)")
     ap.add_argument("--step-cost", type=float, default=0.07, help="a speculative step's own work, x a target forward")
     ap.add_argument("--replay", default=None, metavar="JSON",
-                    help="replay the traces a run of this script recorded (its timed costs unless given): no models")
+                    help="replay the traces a run of this script recorded (its timed costs unless given): no models; "
+                         "the models, prompts and tokens are the recording's (" + ", ".join(
+                             "--" + dest.replace("_", "-") for dest in RECORDED) + " are refused beside it)")
     args = ap.parse_args(argv)
     for name in ("drafter_cost", "width_cost", "step_cost"):
         value = getattr(args, name)
         if value is not None and not value >= 0:
             ap.error(f"--{name.replace('_', '-')} must be a number >= 0 (x a one-token target forward), got {value}")
-    if args.max_new_tokens < 2 or args.repeats < 1:
-        ap.error("--max-new-tokens must be at least 2 and --repeats at least 1")
-    if args.dry_run:
-        args.max_new_tokens = min(args.max_new_tokens, 12)
-        args.per_category = args.per_category or 1
+    if args.max_new_tokens < 2:
+        ap.error(f"--max-new-tokens must be at least 2, got {args.max_new_tokens}")
+    if args.replay:
+        refused = [dest for dest in RECORDED if dest in ap.given]
+        if refused:
+            ap.error(f"--replay re-prices a recorded run: {', '.join('--' + d.replace('_', '-') for d in refused)} "
+                     "would change what it recorded (the recording's own are used)")
+        try:
+            recorded = read_recording(args.replay)[3]
+        except ValueError as exc:
+            ap.error(f"--replay: {exc}")
+        if args.dry_run and not recorded.get("dry_run"):
+            ap.error(f"--dry-run: {args.replay} is not the recording of a dry run")
+        for dest in (*RECORDED, "dry_run"):  # the output's name, labels and dry-run tag
+            setattr(args, dest, recorded.get(dest))
     return args
 
 
@@ -276,9 +315,7 @@ def main(argv=None):
     args = parse_args(argv)
     harness.start(args)
     if args.replay:
-        recorded = json.loads(Path(args.replay).read_text())
-        traces = [Trace(**trace) for trace in recorded["traces"]]
-        widths, drafter_cost = [tuple(w) for w in recorded["costs"]["widths"]], recorded["costs"]["drafter"]
+        traces, widths, drafter_cost, _ = read_recording(args.replay)
     else:
         traces, widths, drafter_cost = record_all(args)
     if args.width_cost is not None:
@@ -307,7 +344,7 @@ def record_all(args) -> tuple[list[Trace], list[tuple[int, float]], float]:
     tokenizer, target, drafter_model = harness.load_pair(args)
     dtype, device = harness.DTYPES[args.dtype], torch.device("cpu")
     encoded = [encode(tokenizer, p, max_tokens=48 if args.dry_run else None) for p in prompts]
-    capacity = max(map(len, encoded)) + args.max_new_tokens + 64
+    capacity = harness.capacity(encoded, args.max_new_tokens)
 
     def drafter_runner():
         if args.quantize == "none":

@@ -69,7 +69,7 @@ def transformers_dynamic(model, dtype: torch.dtype, prefix: torch.Tensor, max_n:
 
 
 # key -> (column label, builder(model, dtype, prefix, max_n) -> forward(ids)); each row gets
-# KEY_ms (median), KEY_min_ms, KEY_max_ms and KEY_vs_1 (median / the n = 1 median)
+# KEY_ms (median), KEY_min_ms, KEY_max_ms and KEY_vs_1 (median / the n = 1 median, --ns has 1)
 PATHS = {
     "native": ("native", native),
     "invariant": ("native, batch-invariant", lambda *a: native(*a, batch_invariant=True)),
@@ -79,8 +79,9 @@ PATHS = {
 
 
 def timed_rows(key: dict, forwards: dict, vocab: int, ns: list[int], repeats: int) -> list[dict]:
-    """One row per n: every forward of `forwards` (path key -> forward(ids)) after one warm-up call
-    per (n, path), then `repeats` rounds that each time every n and path once, in that order."""
+    """One row per n (`ns` holds 1: the times are also given relative to it): every forward of
+    `forwards` (path key -> forward(ids)) after one warm-up call per (n, path), then `repeats`
+    rounds that each time every n and path once, in that order."""
     ids = {n: torch.randint(0, vocab, (1, n)) for n in ns}
     seconds = {(n, path): [] for n in ns for path in forwards}
     for n in ns:
@@ -96,39 +97,51 @@ def timed_rows(key: dict, forwards: dict, vocab: int, ns: list[int], repeats: in
         row = dict(key, n=n)
         for path in forwards:
             timing = harness.Timing(seconds[n, path])
-            first = harness.Timing(seconds[ns[0], path])
+            one = harness.Timing(seconds[1, path])
             row.update({f"{path}_ms": timing.median * 1e3, f"{path}_min_ms": timing.min * 1e3,
-                        f"{path}_max_ms": timing.max * 1e3, f"{path}_vs_1": timing.median / first.median})
+                        f"{path}_max_ms": timing.max * 1e3, f"{path}_vs_1": timing.median / one.median})
         rows.append(row)
     return rows
 
 
 def main(argv=None):
-    ap = harness.parser(__doc__, repeats=5)
+    ap = harness.parser(__doc__, dry_run={"models": "tiny", "ns": "1,3", "context": 16, "repeats": 1}, repeats=5)
     ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b", help="zoo names or folders")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--ns", default="1,2,3,5,9,17", help="new tokens per forward")
-    ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    ap.add_argument("--dtypes", type=harness.names(harness.DTYPES), default="float32,bfloat16",
+                    help=f"comma-separated, out of {', '.join(harness.DTYPES)}")
+    ap.add_argument("--ns", type=harness.numbers(int, 1), default="1,2,3,5,9,17",
+                    help="new tokens per forward, comma-separated; 1 among them (the times are relative to it)")
+    ap.add_argument("--context", type=harness.positive_int, default=128, help="tokens already in the cache")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated keys of {', '.join(PATHS)} (default all)")
     ap.add_argument("--drafters", default="", help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20]")
     ap.add_argument("--packed-only", action="store_true",
                     help="quantized drafters without the engine's dense copies for wide calls (the packed op at every "
                          "width; models/quant.py)")
     args = ap.parse_args(argv)
-    harness.start(args)
-    if args.dry_run:
-        args.models, args.ns, args.context, args.repeats = "tiny", "1,3", 16, 1
-    ns = [int(n) for n in args.ns.split(",")]
+    ns = args.ns
+    if 1 not in ns:
+        ap.error(f"--ns must include 1: every width is timed relative to the one-token forward; got "
+                 f"{','.join(map(str, ns))}")
     keys = args.paths.split(",")
     if "native" not in keys or set(keys) - set(PATHS):
         ap.error(f"--paths must name native (the x-target column's) and only keys of {', '.join(PATHS)}; "
                  f"got {args.paths!r}")
+    if not args.dry_run:
+        for name in args.models.split(","):
+            ap.check_model(name, "--models")
+        for spec in filter(None, args.drafters.split(",")):
+            try:
+                ap.check_model(split_spec(spec)[0], "--drafters")
+            except ValueError as exc:  # a bad :int4 / [:L] suffix
+                ap.error(f"--drafters {spec}: {exc}")
+    harness.start(args)
     paths = {key: PATHS[key] for key in keys}
     rows = []
     for name in args.models.split(","):
-        for dtype_name in args.dtypes.split(","):
+        for dtype_name in args.dtypes:
             dtype = harness.DTYPES[dtype_name]
-            harness.progress(f"loading {name} ({dtype_name})")
+            harness.progress(f"loading {name} ({dtype_name})" + (": a tiny random model (dry run)" if args.dry_run
+                                                                   else ""))
             model = harness.load_model(name, dtype, args.dry_run)
             prefix = torch.randint(0, model.config.vocab_size, (1, args.context))
             forwards = {key: build(model, dtype, prefix, max(ns)) for key, (_, build) in paths.items()}
@@ -137,7 +150,7 @@ def main(argv=None):
                 f"n={row['n']} {row['native_ms']:.0f} ms" for row in rows[-len(ns):]))
             del model, forwards
     for spec in filter(None, args.drafters.split(",")):
-        for dtype_name in args.dtypes.split(","):
+        for dtype_name in args.dtypes:
             harness.progress(f"loading drafter {spec} ({dtype_name})")
             # default: as the engine builds a drafter
             dense_rows = 0 if args.packed_only else drafter_dense_rows("cpu", harness.DTYPES[dtype_name],
@@ -157,7 +170,8 @@ def main(argv=None):
             rows += timed_rows(dict(model=spec, dtype=dtype_name), forwards, runner.vocab_size, ns, args.repeats)
             del runner, forward, forwards
     for row in rows:
-        target = next(r for r in rows if r["dtype"] == row["dtype"])  # the first model's 1-token forward
+        # the first model's 1-token forward
+        target = next(r for r in rows if r["dtype"] == row["dtype"] and r["n"] == 1)
         row["x_target"] = row["native_ms"] / target["native_ms"]
     for row in rows:
         for key in paths:

@@ -1,8 +1,12 @@
 """What every bench script shares: its command line, model loading, repeated measurement,
 progress lines and the JSON record.
 
-* `parser(__doc__, target=..., rounds=2)`: the shared options each script asks for, plus
-  --out, --threads, --dry-run and --no-plot for all; `start(args)` applies --threads.
+* `parser(__doc__, dry_run={...}, target=..., rounds=2)`: the shared options each script asks for,
+  plus --out, --threads, --dry-run and --no-plot for all. Its `parse_args` also refuses what would
+  only fail later (an unusable --out, prompt options that select nothing, a model that is neither
+  a zoo name nor a folder) and gives the options the command line leaves out their --dry-run
+  values. `start(args)` applies --threads. Type functions for counts and lists: `positive_int`,
+  `non_negative_float`, `numbers`, `names`.
 * `load_pair(args)`: tokenizer, target and drafter (zoo names or folders), or with --dry-run
   bench/tiny.py's random models and character tokenizer.
 * `repeat(fn, repeats)`: a warm-up call, then `repeats` timed calls -> `Timing` (median, min,
@@ -15,11 +19,13 @@ progress lines and the JSON record.
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,46 +36,222 @@ from csd_engine import ops
 
 HERE = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SEQ_MARGIN = 64  # cache slots past the longest prompt + max_new_tokens (a speculative step's draft overhang)
+
+
+# -- argparse types -------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type of a count (prompts, tokens, repeats, threads): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type of a rate or temperature: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def numbers(kind=int, low=1):
+    """argparse type of a comma-separated list of `kind` values >= `low`, each once -> a list."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            values = None
+        if not values or any(not low <= v < math.inf for v in values) or len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s >= {low:g}, each once; "
+                                             f"got {text!r}")
+        return values
+    return parse
+
+
+def names(allowed):
+    """argparse type of a comma-separated list of names out of `allowed`, each once -> a list."""
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if set(values) - set(allowed) or len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated names out of {', '.join(allowed)}, each "
+                                             f"once; got {text!r}")
+        return values
+    return parse
+
 
 # name -> (help, type); the default comes from the script
 OPTIONS = {
     "target": ("target model: a zoo name (csd_engine/models/zoo.py) or a Hugging Face folder", str),
     "drafter": ("drafter model: a zoo name or a folder", str),
     "dtype": (f"weights and compute dtype: {', '.join(DTYPES)}", str),
-    "max_new_tokens": ("tokens generated per prompt (end of sequence ignored)", int),
-    "repeats": ("timed runs per measurement after one warm-up; tables show the median and min-max", int),
-    "rounds": ("rounds over all prompts and methods; the median time per prompt is kept", int),
+    "max_new_tokens": ("tokens generated per prompt (end of sequence ignored)", positive_int),
+    "repeats": ("timed runs per measurement after one warm-up; tables show the median and min-max", positive_int),
+    "rounds": ("rounds over all prompts and methods; the median time per prompt is kept", positive_int),
     "categories": ("comma-separated prompt categories of bench/prompts.json; all when not given", str),
-    "per_category": ("at most this many prompts of each category; all when not given", int),
+    "per_category": ("this many prompts of each category (each must have that many); all when not given",
+                     positive_int),
     "prompts_file": ("prompts to use instead of bench/prompts.json, in its format: a JSON list of {\"category\", "
                      "\"prompt\" or \"messages\"}", str),
 }
 
 
-def parser(doc: str, **defaults) -> argparse.ArgumentParser:
-    """An ArgumentParser whose description is the script's docstring, with the options of
-    OPTIONS named in `defaults` (each with its default) and the four every script has."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """The bench scripts' parser. After parsing it gives the options the command line leaves
+    out their --dry-run values (with --dry-run), then refuses, as argparse errors, what would
+    otherwise fail only after models are loaded or measurements ran: an --out that cannot
+    be written, prompt options that select nothing, a model that is neither a zoo name nor a
+    folder. `given`: the dests the last command line set."""
+
+    def __init__(self, doc: str, dry_run: dict):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.dry_run, self.given = dry_run, set()
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        parsed = super().parse_args(argv, namespace)
+        self.given = self._given(argv)
+        if parsed.dry_run:
+            actions = {action.dest: action for action in self._actions}
+            for dest, value in self.dry_run.items():
+                if dest not in self.given:
+                    kind = actions[dest].type
+                    setattr(parsed, dest, kind(value) if kind and isinstance(value, str) else value)
+        self._check_out(parsed.out)
+        if not parsed.dry_run:
+            for dest in ("target", "drafter"):
+                if hasattr(parsed, dest):
+                    self.check_model(getattr(parsed, dest), "--" + dest)
+        if hasattr(parsed, "prompts_file"):
+            self._check_prompts(parsed)
+        return parsed
+
+    def format_help(self) -> str:
+        """The --dry-run line lists the values it gives (known once every option is added)."""
+        actions = {action.dest: action for action in self._actions}
+        given = []
+        for dest, value in self.dry_run.items():
+            flag = actions[dest].option_strings[-1]
+            if value is True:
+                given.append(flag)
+            elif isinstance(value, list):
+                given += [f"{flag} {v}" for v in value]
+            else:
+                given.append(f"{flag} {value}")
+        actions["dry_run"].help = ("tiny random models (bench/tiny.py) instead of the real ones: proves the script "
+                                   "runs end to end in seconds, its numbers mean nothing; options not given then take "
+                                   + ", ".join(given))
+        return super().format_help()
+
+    def _given(self, argv: list[str]) -> set[str]:
+        """The dests `argv` sets: a second parse in which no option has a default."""
+        defaults = [(action, action.default) for action in self._actions]
+        try:
+            for action, _ in defaults:
+                action.default = argparse.SUPPRESS
+            return set(vars(super().parse_known_args(argv, argparse.Namespace())[0]))
+        finally:
+            for action, default in defaults:
+                action.default = default
+
+    def _check_out(self, out: str | None) -> None:
+        folder = Path(out) if out else HERE / "results"
+        what = f"--out {out}" if out else f"the default --out ({folder})"
+        if folder.exists() and not folder.is_dir():
+            self.error(f"{what} is a file, not a folder")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            self.error(f"{what} cannot hold the results: {exc.strerror or exc}")
+
+    def check_model(self, name: str, flag: str) -> None:
+        """`name` is a zoo name, a model folder or a hub id ("org/name"), else an argparse error."""
+        from csd_engine.models import zoo
+        if zoo.is_zoo_name(name):
+            return
+        path = Path(name).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                self.error(f"{flag} {name}: a folder but not a model folder (no config.json)")
+            return
+        if path.exists():
+            if path.suffix.lower() != ".gguf":
+                self.error(f"{flag} {name}: a file, not a model folder")
+            return
+        if name.count("/") != 1 or name.startswith((".", "/", "~")):  # not a hub id "org/name" either
+            self.error(f"{flag} {name}: no such model folder, and not a zoo name ({', '.join(zoo.MODELS)})")
+
+    def _check_prompts(self, args) -> None:
+        """The prompt options select prompts, and --per-category N finds N in every category."""
+        from bench.common import load_prompts
+        categories, per_category = getattr(args, "categories", None), getattr(args, "per_category", None)
+        try:
+            prompts = load_prompts(categories=categories, path=args.prompts_file)
+        except ValueError as exc:
+            self.error(str(exc))
+        if per_category:
+            counts = {}
+            for p in prompts:
+                counts[p["category"]] = counts.get(p["category"], 0) + 1
+            short = {c: n for c, n in counts.items() if n < per_category}
+            if short:
+                self.error(f"--per-category {per_category}: " + ", ".join(
+                    f"category {c!r} has {n} prompt{'s' * (n != 1)}" for c, n in short.items()))
+
+
+def parser(doc: str, dry_run: dict | None = None, threads: int | None = None, **defaults) -> Parser:
+    """A Parser whose description is the script's docstring, with the options of OPTIONS named in
+    `defaults` (each with its default) and the four every script has. `dry_run`: the values
+    --dry-run gives options the command line leaves out (written as on the command line; a list
+    for a repeatable option); --threads 1 among them."""
+    ap = Parser(doc, {"threads": 1, **(dry_run or {})})
     for name, default in defaults.items():
         help_text, kind = OPTIONS[name]
         choices = list(DTYPES) if name == "dtype" else None
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=default, choices=choices,
                         help=f"{help_text} (default {default})")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=positive_int, default=threads,
+                    help="torch CPU threads (default " + (str(threads) if threads else "torch's choice") + ")")
     ap.add_argument("--out", default=None, help="folder for the JSON and pictures (default bench/results)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="tiny random models and a few tokens: proves the script runs end to end in seconds")
+    ap.add_argument("--dry-run", action="store_true", help="tiny random models")  # the full help: format_help
     ap.add_argument("--no-plot", action="store_true", help="write no PNG pictures beside the JSON")
     return ap
 
 
 def start(args: argparse.Namespace) -> None:
-    """--threads; a dry run defaults to one thread (tiny models on a busy machine: 30x faster
-    than torch's default of one thread per core)."""
-    threads = args.threads or (1 if args.dry_run else None)
-    if threads:
-        torch.set_num_threads(threads)
+    """--threads (a dry run's default is one thread: tiny models on a busy machine run 30x faster
+    than with torch's default of one thread per core); a fixed seed."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+
+
+def capacity(encoded: list[list[int]], max_new_tokens: int) -> int:
+    """The engine's max_seq_len for these prompts: the longest, its new tokens and a margin, so
+    no generation is cut short."""
+    return max(map(len, encoded)) + max_new_tokens + SEQ_MARGIN
+
+
+def fits_drafters(strategy, is_mag: list[bool]) -> None:
+    """ValueError where `strategy` could not decode with drafters of these kinds (True: MaG), found
+    before any model loads: a K matrix of the wrong size or that drafts nothing, a drafter index
+    past the last drafter."""
+    from csd_engine import Cascade
+    from csd_engine.strategies.cascade import _validate_k_matrix
+    if isinstance(strategy, Cascade):
+        _validate_k_matrix(strategy.k_matrix, len(is_mag), is_mag)
+    drafter = getattr(strategy, "drafter", None)
+    if isinstance(drafter, int) and not drafter < len(is_mag):
+        raise ValueError(f"drafter={drafter} needs drafter {drafter}, but there are {len(is_mag)}")
 
 
 # -- models ---------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ For each strategy, batch size and sampling mode, one `generate` runs with every 
   calls + one-launch kernels, the kernel launches a step issues besides its model forwards;
 * drafter tokens: positions per row that the step's drafter forwards compute (their host-known
   widths, padding included), the drafters' share of the step's GPU work.
-Tiny random models: the counts depend on the strategy's configuration, not on model size.
+Tiny random models: the counts depend on the strategy's configuration, not on model size (nor
+on --threads, which is 1 unless given: tiny models run fastest on one thread).
 
     python bench/host_work.py [--tokens 32] [--out DIR]
     python bench/host_work.py --dry-run         # two strategies, a few tokens
@@ -190,15 +191,14 @@ def measure(models: dict, name: str, batch: int, mode: str, tokens: int) -> dict
 
 
 def main(argv=None):
-    ap = harness.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per request (default 32)")
-    ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    ap = harness.parser(__doc__, dry_run={"tokens": 6}, threads=1)
+    ap.add_argument("--tokens", type=harness.positive_int, default=32, help="new tokens per request (default 32)")
+    ap.add_argument("--batches", type=harness.numbers(int, 1), default="1,4",
+                    help="comma-separated batch sizes (default 1,4)")
     args = ap.parse_args(argv)
     harness.start(args)
-    torch.set_num_threads(1)  # tiny models: counts, not speed
     names = DRY_RUN if args.dry_run else tuple(STRATEGIES)
-    tokens = 6 if args.dry_run else args.tokens
-    batches = [int(b) for b in args.batches.split(",")]
+    tokens, batches = args.tokens, args.batches
     target = tiny_qwen2(seed=0, layers=2)
     models = {"target": target, "d1": perturbed(target, 0.05, seed=1), "d2": perturbed(target, 0.15, seed=2)}
     path = harness.record_path("host-work", args)

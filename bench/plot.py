@@ -14,8 +14,13 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
 * serve JSON -> X-latency.png: per strategy, tokens/s served (and offline), time to first token
   and inter-token latency (p50 and p99).
 * draft-policy JSON -> X-policies.png: tokens per cost of each replayed draft policy, per category.
+* tune JSON -> X-configs.png: tokens/s per configuration of the grid, Autoregressive and
+  Cascade.auto() (highlighted).
+* autoregressive JSON -> X-tokens.png: tokens/s per method.
 
-Needs matplotlib (in requirements-ci.txt); without it, says so and draws nothing.
+A file that is not JSON, or JSON none of these pictures is drawn from, is an error (exit 1)
+after the others are drawn. Needs matplotlib (in requirements-ci.txt); without it, says so and
+draws nothing.
 """
 import json
 import sys
@@ -55,6 +60,10 @@ def draw(json_path) -> list[Path]:
         pictures.append(host_work(data, Path(f"{stem}-launches.png")))
     if "policies" in data:
         pictures.append(draft_policies(data, Path(f"{stem}-policies.png")))
+    if data.get("rows") and "auto" in data and "best" in data:
+        pictures.append(tune_configs(data, Path(f"{stem}-configs.png")))
+    if data.get("rows") and "identical_outputs" in data:
+        pictures.append(autoregressive(data, Path(f"{stem}-tokens.png")))
     return [p for p in pictures if p]
 
 
@@ -127,7 +136,9 @@ def acceptance_by_position(data: dict, png: Path) -> Path | None:
     lines = {k: cell.get("acceptance_by_position") for k, cell in data.get("overall", {}).items()}
     lines = {k: v for k, v in lines.items() if v and k != "ar"}
     if not lines:
-        print(f"{png.name}: the JSON has no acceptance by draft position (recorded since 2026-11-23)", file=sys.stderr)
+        why = ("the run has no csd_engine speculative method" if "per_category" in data
+               else "the JSON has no acceptance by draft position (recorded since 2026-11-23)")
+        print(f"{png.name}: {why}, no acceptance picture", file=sys.stderr)
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, rates in lines.items():
@@ -270,10 +281,45 @@ def host_work(data: dict, png: Path) -> Path:
     return save(fig, png)
 
 
+# -- tune and autoregressive ----------------------------------------------------------------------
+def tune_configs(data: dict, png: Path) -> Path:
+    """Tokens/s of every grid configuration (fastest first), then Autoregressive and Cascade.auto()."""
+    rows = data["rows"] + [data["autoregressive"], data["auto"]]
+    colors = ["tab:blue"] * len(data["rows"]) + ["grey", "tab:red"]
+    quantize = data.get("args", {}).get("quantize")
+    return bars([r["config"] for r in rows], [r["tokens_per_s"] for r in rows], colors,
+                title(data, "tokens/s per configuration: the grid (blue), Autoregressive (grey), Cascade.auto() (red)"
+                      + (f"; {quantize} drafter" if quantize else "")), png)
+
+
+def autoregressive(data: dict, png: Path) -> Path:
+    rows = data["rows"]
+    return bars([r["method"] for r in rows], [r["tokens_per_s"] for r in rows], ["tab:blue"] * len(rows),
+                title(data, f"autoregressive decoding, batch 1, {data.get('prompts', '?')} prompts"), png)
+
+
+def bars(names: list[str], values: list[float], colors: list[str], heading: str, png: Path) -> Path:
+    """One horizontal bar of tokens/s per name, the first on top, each with its value."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(11, 1.4 + 0.38 * len(names)))
+    ys = range(len(names))
+    ax.barh(ys, values, color=colors)
+    for y, value in zip(ys, values):
+        ax.text(value, y, f" {value:.1f}", va="center", fontsize=8)
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s")
+    ax.set_xlim(0, max(values) * 1.15)
+    ax.set_title(heading, fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    return save(fig, png)
+
+
 # -- shared ---------------------------------------------------------------------------------------
 def title(data: dict, what: str) -> str:
     args = data.get("args", {})
-    run = f"{args.get('target', '?')} <- {args.get('drafter', '?')}, {args.get('dtype', '?')}"
+    pair = f"{args.get('target', '?')} <- {args['drafter']}" if "drafter" in args else args.get("target", "?")
+    run = f"{pair}, {args.get('dtype', '?')}"
     if args.get("dry_run"):
         run = f"DRY RUN (tiny random models, numbers mean nothing), {args.get('dtype', '?')}"
     return f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {hardware_name(data)}; {data.get('date', '')}"
@@ -305,12 +351,30 @@ def save(fig, png: Path) -> Path:
 
 
 def main(argv=None):
+    """Draws every file's pictures; files that cannot be read as JSON are refused before any is
+    drawn, and a file with nothing to draw makes the exit status 1 after the others."""
     import argparse
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="bench JSON files")
-    for json_path in ap.parse_args(argv).json:
-        for picture in draw(json_path):
+    paths = ap.parse_args(argv).json
+    for json_path in paths:
+        try:
+            data = json.loads(Path(json_path).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"{json_path}: not a readable JSON file ({exc})")
+        if not isinstance(data, dict):
+            ap.error(f"{json_path}: not a bench JSON (a JSON object with the script's results)")
+    undrawn = []
+    for json_path in paths:
+        pictures = draw(json_path)
+        for picture in pictures:
             print(f"wrote {picture}")
+        if not pictures:
+            undrawn.append(json_path)
+    if undrawn:
+        sys.exit(f"no picture drawn from {', '.join(undrawn)}: the data it needs is not there (above), or it is "
+                 "not the JSON of a bench script this draws (compare, gpu, forward_cost, serve, host_work, "
+                 "draft_policy, tune, autoregressive)")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from bench import harness  # noqa: E402
 from bench.common import encode, load_prompts, order_by_category, print_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = ["autoregressive", "speculative", "cascade"]  # when --strategy is not given
 SYNTHETIC_RESIDUAL_SCALE = 0.05  # bench/gpu.py's default --residual-scale
 SYNTHETIC_PROMPT_TOKENS = 64
 
@@ -87,8 +88,8 @@ class Server:
                    "--max-batch-size", str(args.max_batch_size), "--max-waiting", str(args.requests),
                    "--max-seq-len", str(args.max_seq_len), "--dtype", args.dtype, "--model-name", "bench",
                    "--log-level", "warning"]
-        if args.threads or args.dry_run:
-            command += ["--threads", str(args.threads or 1)]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
         if args.prefill_chunk:
             command += ["--prefill-chunk", str(args.prefill_chunk)]
         if args.batch_invariant:
@@ -220,32 +221,75 @@ def offline(engine, strategy, prompts: list[list[int]], args) -> tuple[list[list
     return [outputs[i] for i in ids], time.perf_counter() - begin
 
 
-def main(argv=None):
-    ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
+def check_args(ap, args) -> list[str]:
+    """The strategies to measure (--strategy, or STRATEGIES), every one built here first, and
+    the options that would only fail once the servers run; an argparse error where one is wrong."""
+    if args.url and (args.dry_run or args.synthetic):
+        ap.error("--url measures a running server; --dry-run and --synthetic start servers of their own models")
+    if args.url and len(args.strategy or []) > 1:
+        ap.error("--url measures the one running server: give at most one --strategy, the one it runs (the offline "
+                 "reference decodes with it)")
+    specs = args.strategy or STRATEGIES
+    for spec in specs:
+        try:
+            harness.fits_drafters(build_strategy(spec, [args.drafter, "mag"]), [False, True])
+        except ValueError as exc:
+            ap.error(f"--strategy {spec}: {exc}")
+    from csd_engine import SamplingParams
+    try:
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    except ValueError as exc:
+        ap.error(f"--temperature {args.temperature:g}: {exc}")
+    if not args.startup_timeout > 0:
+        ap.error(f"--startup-timeout must be a number of seconds > 0, got {args.startup_timeout:g}")
+    if args.url:
+        import httpx
+        try:
+            status = httpx.get(args.url.rstrip("/") + "/health", timeout=10).status_code
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            ap.error(f"--url {args.url}: no server answers there ({type(exc).__name__}: {exc})")
+        if status != 200:
+            ap.error(f"--url {args.url}: its /health answers HTTP {status}")
+    return specs
+
+
+def parser():
+    ap = harness.parser(__doc__, dry_run={"requests": 6, "max_new_tokens": 8, "rate": 50.0, "max_seq_len": 128,
+                                          "strategy": ["autoregressive", "speculative"]},
+                        target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
                         max_new_tokens=64, prompts_file=None)
     ap.add_argument("--strategy", action="append", default=None,
-                    help="a strategy name or a JSON configuration (repeatable; default: autoregressive, speculative, "
-                         "cascade)")
-    ap.add_argument("--requests", type=int, default=32, help="requests per strategy (default 32)")
-    ap.add_argument("--rate", type=float, default=2.0,
+                    help="a strategy name or a JSON configuration (repeatable; default: " + ", ".join(STRATEGIES) + ")")
+    ap.add_argument("--requests", type=harness.positive_int, default=32, help="requests per strategy (default 32)")
+    ap.add_argument("--rate", type=harness.non_negative_float, default=2.0,
                     help="mean arrivals per second of the Poisson process; 0 sends all at once (default 2)")
-    ap.add_argument("--clients", type=int, default=16, help="requests in flight at most (default 16)")
-    ap.add_argument("--max-batch-size", type=int, default=8, help="the server's rows (default 8)")
-    ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--prefill-chunk", type=int, default=None,
+    ap.add_argument("--clients", type=harness.positive_int, default=16, help="requests in flight at most (default 16)")
+    ap.add_argument("--max-batch-size", type=harness.positive_int, default=8, help="the server's rows (default 8)")
+    ap.add_argument("--max-seq-len", type=harness.positive_int, default=1024,
+                    help="the server's and the offline engine's: longest prompt + --max-new-tokens at least "
+                         "(default 1024)")
+    ap.add_argument("--prefill-chunk", type=harness.positive_int, default=None,
                     help="prompt tokens prefilled per step (serve --prefill-chunk; default: whole prompts)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="server and offline engine with batch_invariant=True (greedy outputs then equal offline)")
     ap.add_argument("--synthetic", action="store_true",
                     help="bench/gpu.py's random Llama-2-7B-shaped target and its first layers as drafter (a GPU "
                          "without weights); with --dry-run its tiny shape")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, outputs compared with offline")
+    ap.add_argument("--temperature", type=harness.non_negative_float, default=0.0,
+                    help="0: greedy, outputs compared with offline")
     ap.add_argument("--seed", type=int, default=0, help="arrival times (and sampling, at a temperature)")
-    ap.add_argument("--url", default=None, help="a running server to measure instead of starting one per strategy")
+    ap.add_argument("--url", default=None,
+                    help="a running server to measure instead of starting one per strategy; --strategy (at most one) "
+                         "then names what it runs, for the offline reference")
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for a server's /health")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     args = ap.parse_args(argv)
+    specs = check_args(ap, args)
     harness.start(args)
-    specs = args.strategy or ["autoregressive", "speculative", "cascade"]
     work = tempfile.TemporaryDirectory(prefix="bench-serve-")
     if args.synthetic:
         args.target, args.drafter = save_synthetic(work.name, args.dry_run)
@@ -254,10 +298,6 @@ def main(argv=None):
         harness.progress("dry run: tiny random target and drafter instead of "
                          f"{args.target} and {args.drafter}")
         args.target, args.drafter = save_pair(work.name)
-    if args.dry_run:
-        args.requests, args.max_new_tokens, args.rate = min(args.requests, 6), min(args.max_new_tokens, 8), 50.0
-        args.max_seq_len, specs = min(args.max_seq_len, 128), specs if args.strategy else ["autoregressive",
-                                                                                            "speculative"]
     if args.url:
         specs = ["(running server)"]
     local = args.dry_run or args.synthetic  # model folders made here
@@ -267,6 +307,10 @@ def main(argv=None):
     prompts = order_by_category(load_prompts(path=args.prompts_file))
     keep = 48 if args.dry_run else SYNTHETIC_PROMPT_TOKENS if args.synthetic else None
     encoded = [encode(tokenizer, prompts[i % len(prompts)], max_tokens=keep) for i in range(args.requests)]
+    longest = max(map(len, encoded))
+    if longest + args.max_new_tokens > args.max_seq_len:
+        ap.error(f"--max-seq-len {args.max_seq_len} is too short for the longest prompt ({longest} tokens) and "
+                 f"--max-new-tokens {args.max_new_tokens}: give at least {longest + args.max_new_tokens}")
 
     import csd_engine
     harness.progress(f"loading {args.target} and {args.drafter} for the offline reference")

@@ -11,10 +11,13 @@ kept, after a warm-up); the grid covers K = [[a, b], [0, m]] (a tokens from the 
 then b from MaG; the drafter reviews m MaG tokens at a time) and lenience, plus
 Speculative(0.5B, k) and Cascade with MaG alone. Cascade.auto() runs with no configuration
 given: its rows choose their budgets from what they count while decoding, which its measured
-time includes. The table ends with auto's
-tokens/s as a fraction of the best grid point's; the JSON goes to bench/results/tune-*.json.
+time includes. The table ends with auto's tokens/s as a fraction of the best grid point's. Grid
+points whose K could not decode (a = b = 0: the target would get no draft) are skipped, and said
+so. The JSON goes to bench/results/tune-*.json, its picture (tokens/s per configuration,
+Cascade.auto() highlighted) beside it.
 """
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -27,59 +30,85 @@ from bench.common import encode, load_prompts, order_by_category, print_table  #
 from csd_engine import Cascade, SamplingParams, Speculative  # noqa: E402
 
 
-def values(text: str, kind, name: str) -> tuple:
-    try:
-        return tuple(kind(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"--{name} takes comma-separated {kind.__name__}s, got {text!r}") from None
+# the grid's values: Speculative's k, MaG-only K=[[m]], and the cascade's a, b, m and lenience
+QUICK = {"k": (2, 4), "mag": (8,), "a": (2, 4), "b": (2, 6), "m": (4,), "lenience": (1.0, 2.0)}
+FULL = {"k": (2, 4, 6), "mag": (4, 8, 16), "a": (2, 4, 6), "b": (0, 4, 8), "m": (4, 8), "lenience": (1.0, 2.0)}
 
 
-def grid(args) -> list[tuple[str, object, bool]]:
-    """(label, strategy, uses the MaG-only engine): Speculative and MaG-only points, then the
-    cascade's K = [[a, b], [0, m]] x lenience (the options' values, or the quick or full default grid)."""
+def grid_size(values: dict) -> int:
+    """Configurations in a default grid: Speculative's, MaG-only's, then the cascade's product."""
+    return len(values["k"]) + len(values["mag"]) + math.prod(len(values[key]) for key in ("a", "b", "m", "lenience"))
+
+
+def grid(args) -> tuple[list[tuple[str, object, bool]], list[str]]:
+    """(configurations, skipped). Configurations: (label, strategy, uses the MaG-only engine):
+    Speculative and MaG-only points, then the cascade's K = [[a, b], [0, m]] x lenience (the
+    options' values, or the quick or full default grid). Skipped: the cascade points that could
+    not decode with [0.5B, MaG] (a = b = 0 drafts nothing), each with the reason. A value no
+    strategy takes (lenience < 1, m = 0) is a ValueError."""
     drafter = f"0.5B {args.quantize}" if args.quantize else "0.5B"
-    configs = [(f"Speculative({drafter}, k={k})", Speculative(k=k, drafter=0), False)
-               for k in ((2, 4) if args.quick else (2, 4, 6))]
-    configs += [(f"Cascade(MaG, K=[[{m}]])", Cascade(k_matrix=[[m]], mag_tokens=m), True)
-                for m in ((8,) if args.quick else (4, 8, 16))]
-    defaults = ((2, 4), (2, 6), (4,), (1.0, 2.0)) if args.quick else ((2, 4, 6), (0, 4, 8), (4, 8), (1.0, 2.0))
-    given = (args.a and values(args.a, int, "a"), args.b and values(args.b, int, "b"),
-             args.m and values(args.m, int, "m"),
-             args.lenience_values and values(args.lenience_values, float, "lenience-values"))
-    for a, b, m, lenience in itertools.product(*[g or d for g, d in zip(given, defaults)]):
-        configs.append((f"Cascade({drafter}+MaG, K=[[{a},{b}],[0,{m}]], l={lenience:g})",
-                        Cascade(k_matrix=[[a, b], [0, m]], lenience=lenience, mag_tokens=m), False))
-    return configs
+    values = QUICK if args.quick else FULL
+    configs = [(f"Speculative({drafter}, k={k})", Speculative(k=k, drafter=0), False) for k in values["k"]]
+    configs += [(f"Cascade(MaG, K=[[{m}]])", Cascade(k_matrix=[[m]], mag_tokens=m), True) for m in values["mag"]]
+    given = (args.a, args.b, args.m, args.lenience_values)
+    skipped = []
+    cascade = [g or values[key] for g, key in zip(given, ("a", "b", "m", "lenience"))]
+    for a, b, m, lenience in itertools.product(*cascade):
+        strategy = Cascade(k_matrix=[[a, b], [0, m]], lenience=lenience, mag_tokens=m)
+        label = f"Cascade({drafter}+MaG, K=[[{a},{b}],[0,{m}]], l={lenience:g})"
+        try:
+            harness.fits_drafters(strategy, [False, True])
+        except ValueError as exc:
+            skipped.append(f"{label}: {exc}")
+            continue
+        configs.append((label, strategy, False))
+    return configs, skipped
 
 
 def main(argv=None):
-    ap = harness.parser(__doc__, target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
+    ap = harness.parser(__doc__, dry_run={"quick": True, "prompts": 1, "max_new_tokens": 8},
+                        target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
                         max_new_tokens=48, repeats=1, prompts_file=None)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts from bench/prompts.json (one per category first)")
-    ap.add_argument("--quick", action="store_true", help="a small grid (13 points instead of 42)")
+    ap.add_argument("--prompts", type=harness.positive_int, default=3,
+                    help="prompts from bench/prompts.json (one per category first)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a small grid: {grid_size(QUICK)} configurations instead of {grid_size(FULL)} "
+                         "(Autoregressive and Cascade.auto() run beside either); --a, --b, --m and --lenience-values "
+                         "replace their part of it")
     ap.add_argument("--quantize", default=None, choices=("int8", "int4"), help="the drafter's weights (default bf16)")
-    ap.add_argument("--a", default=None, help="comma-separated values of a: the 0.5B's tokens per draft")
-    ap.add_argument("--b", default=None, help="comma-separated values of b: MaG's tokens after the 0.5B's")
-    ap.add_argument("--m", default=None, help="comma-separated values of m: MaG tokens the 0.5B reviews at a time")
-    ap.add_argument("--lenience-values", default=None, help="comma-separated lenience values")
+    ap.add_argument("--a", type=harness.numbers(int, 0), default=None,
+                    help="comma-separated values of a: the 0.5B's tokens per draft")
+    ap.add_argument("--b", type=harness.numbers(int, 0), default=None,
+                    help="comma-separated values of b: MaG's tokens after the 0.5B's")
+    ap.add_argument("--m", type=harness.numbers(int, 1), default=None,
+                    help="comma-separated values of m: MaG tokens the 0.5B reviews at a time")
+    ap.add_argument("--lenience-values", type=harness.numbers(float, 1), default=None,
+                    help="comma-separated lenience values")
     args = ap.parse_args(argv)
-    if args.dry_run:
-        args.quick, args.prompts, args.max_new_tokens = True, 1, min(args.max_new_tokens, 8)
     try:
-        configs = grid(args)
+        configs, skipped = grid(args)
     except ValueError as exc:
         ap.error(f"bad grid values: {exc}")
+    if not any(label.startswith("Cascade(0.5B") for label, _, _ in configs):
+        ap.error(f"no cascade grid point can decode: {skipped[0]}"
+                 + (f" (and {len(skipped) - 1} more points)" if len(skipped) > 1 else ""))
+    available = len(load_prompts(path=args.prompts_file))
+    if args.prompts > available:
+        ap.error(f"--prompts {args.prompts}: there are {available} prompts")
     harness.start(args)
+    for reason in skipped:
+        harness.progress(f"skipping {reason}")
     dtype = harness.DTYPES[args.dtype]
     tok, target, drafter = harness.load_pair(args)
     if args.quantize:
         drafter = harness.quantized_drafter(drafter, target.device, dtype, args.quantize, args.dry_run)
-    engine = csd_engine.Engine(target, drafters=[drafter, "mag"], dtype=dtype, max_batch_size=1, max_seq_len=1024,
-                               tokenizer=tok)
-    engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1, max_seq_len=1024,
-                                   tokenizer=tok)
     prompts = order_by_category(load_prompts(path=args.prompts_file))[:args.prompts]
     encoded = [encode(tok, p, max_tokens=48 if args.dry_run else None) for p in prompts]
+    capacity = harness.capacity(encoded, args.max_new_tokens)
+    engine = csd_engine.Engine(target, drafters=[drafter, "mag"], dtype=dtype, max_batch_size=1, max_seq_len=capacity,
+                               tokenizer=tok)
+    engine_mag = csd_engine.Engine(engine.target, drafters=["mag"], dtype=dtype, max_batch_size=1,
+                                   max_seq_len=capacity, tokenizer=tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = [engine.generate([ids], params)[0].token_ids for ids in encoded]  # plain greedy (also a warm-up)
     if args.dry_run:  # the first configuration of each kind
@@ -123,8 +152,11 @@ def main(argv=None):
                                     ("spread", "min-max", "s"), ("vs_ar", "vs AR", ".2f"), ("of_best", "of best", ".2f"),
                                     ("mean_accepted", "MAT", ".2f"), ("identical", "= greedy", "s")])
     print(f"\nCascade.auto() reaches {auto['of_best']:.0%} of the best grid point ({best['config']})")
+    if skipped:
+        print(f"skipped {len(skipped)} grid points that could not decode: " + "; ".join(skipped))
     path = harness.record_path(f"tune-{Path(args.target).name}-{args.dtype}", args)
-    harness.write_record(path, {"rows": rows, "autoregressive": ar, "auto": auto, "best": best}, args)
+    harness.write_record(path, {"rows": rows, "autoregressive": ar, "auto": auto, "best": best, "skipped": skipped},
+                         args)
     harness.finish(path, args)
 
 

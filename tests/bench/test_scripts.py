@@ -94,6 +94,7 @@ def test_autoregressive_dry_run(tmp_path):
     record = only_json(tmp_path, "autoregressive")
     assert record["identical_outputs"] == record["prompts"] == 2
     assert all(len(p["csd_engine native"]["seconds"]) == 2 for p in record["per_prompt"])
+    assert list(tmp_path.glob("autoregressive-*-tokens.png"))
 
 
 def test_forward_cost_dry_run(tmp_path):
@@ -105,9 +106,14 @@ def test_forward_cost_dry_run(tmp_path):
 
 
 def test_tune_dry_run(tmp_path):
-    run("bench/tune.py", "--dry-run", "--no-plot", "--out", str(tmp_path))
+    """The quick grid's first point of each kind, a point that could not decode skipped (and
+    recorded as such), and the picture of tokens/s per configuration."""
+    run("bench/tune.py", "--dry-run", "--a", "0,2", "--b", "0,4", "--out", str(tmp_path))
     record = only_json(tmp_path, "tune")
     assert record["auto"]["tokens_per_s"] > 0 and len(record["rows"]) == 3
+    assert [reason.split(":")[0] for reason in record["skipped"]] == ["Cascade(0.5B+MaG, K=[[0,0],[0,4]], l=1)",
+                                                                       "Cascade(0.5B+MaG, K=[[0,0],[0,4]], l=2)"]
+    assert list(tmp_path.glob("tune-*-configs.png"))
 
 
 @pytest.mark.parametrize("models", [[], ["--synthetic", "--strategy", "speculative"]], ids=["tiny-pair", "synthetic"])
@@ -143,14 +149,17 @@ def test_draft_policy_dry_run(tmp_path):
     replayed = only_json(tmp_path / "replayed", "draft-policy")
     assert replayed["traces"] == record["traces"] and replayed["costs"]["widths"] == record["costs"]["widths"]
     assert replayed["costs"]["drafter"] == 5.0  # a drafter dearer than the target: drafting cannot pay
+    assert {k: replayed["args"][k] for k in ("target", "quantize", "per_category", "dry_run")} == {
+        k: record["args"][k] for k in ("target", "quantize", "per_category", "dry_run")}
     assert replayed["overall"]["chain k=4"]["tokens_per_cost"] < min(1.0, record["overall"]["chain k=4"]["tokens_per_cost"])
 
 
 def test_host_work_dry_run(tmp_path):
     """Counts, not timings: no strategy step reads the host, and a cascade launches more than
     autoregressive decoding (its reviews and MaG calls)."""
-    run("bench/host_work.py", "--dry-run", "--out", str(tmp_path))
+    run("bench/host_work.py", "--dry-run", "--threads", "2", "--out", str(tmp_path))
     record = only_json(tmp_path, "host-work")
+    assert record["hardware"]["torch_threads"] == 2  # --threads as given
     assert all(row["host_reads_per_step"] == 0 for row in record["rows"])
     launches = {row["strategy"]: row["launches_per_step"] for row in record["rows"]}
     assert launches["cascade [[4,2],[0,4]] l=2"] > launches["autoregressive"] > 0
