@@ -173,7 +173,7 @@ def test_gpu_dry_run_on_the_cpu(tmp_path):
     record = only_json(tmp_path, "gpu")
     assert isinstance(record["sections"]["verify_kernel"], list), record["sections"]["verify_kernel"]
     timed = {(r["scheme"], r["batch"], r["n"]) for r in record["sections"]["quantized_drafter"] if "graph_ms" in r}
-    assert {("bf16", 1, 1), ("int8", 8, 5)} <= timed, record["sections"]["quantized_drafter"]
+    assert {("bf16", 1, 1), ("int8", 8, 5), ("int4g32", 8, 5)} <= timed, record["sections"]["quantized_drafter"]
     assert record["sections"]["copy_bandwidth"]["gb_per_s"] > 0
 
 
