@@ -3,8 +3,11 @@
 Accepted: a zoo name (see `zoo.MODELS`; its bfloat16 folder, cast to the dtype asked for), a
 Hugging Face folder, a `.gguf` file (dequantized exactly as the zoo converts its GGUFs), a hub
 id when a hub is reachable (`org/name`, or `org/name@revision` for a branch, tag or commit), an
-already-loaded `transformers` model, or a `Runner`. Llama-family models get the native runner;
-everything else the generic one. Each loaded runner carries `eos_token_ids`.
+already-loaded `transformers` causal LM, or a `Runner`; a path may be a `pathlib.Path` or start
+with `~`. Llama-family models get the native runner, but for what it cannot compute
+(`llama.unsupported`: a non-SiLU MLP, dynamic RoPE); everything else the generic one. Without
+a network, a hub id loads from the local hub cache only. Each loaded runner carries
+`eos_token_ids`.
 
 A string spec may end in suffixes for the native runner, in this order (see `split_spec`):
 `:int8` / `:int4` / `:int4gG` quantizes its weights (models/quant.py), `[:L]` keeps only its
