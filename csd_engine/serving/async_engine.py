@@ -71,9 +71,9 @@ class AsyncEngine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         accepted, outputs = loop.create_future(), asyncio.Queue()
         self._send(("add", prompt, params, request_id, loop, accepted, outputs))
-        await accepted  # cancelled here: _accepted aborts the request once it is added
         finished = False
         try:
+            await accepted  # cancelled before it was accepted: _accepted aborts the request
             while not finished:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
@@ -81,13 +81,17 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # this stream's request only: its id may name a newer request by now
+                self._abort(request_id, outputs)
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step (a no-op for an unknown or finished one)."""
+        self._abort(request_id, None)
+
+    def _abort(self, request_id: str, outputs: asyncio.Queue | None) -> None:
+        """abort(), or with `outputs` only while the request of that id is the one streaming there."""
         try:
-            self._send(("abort", request_id))
+            self._send(("abort", request_id, outputs))
         except EngineStopped:
             pass
 
@@ -148,7 +152,7 @@ class AsyncEngine:
                     if out.finished:
                         self._count(out)
                     self._deliver(out)
-        except Exception as exc:  # a bug in a step: the scheduler's state is unknown, so stop serving
+        except BaseException as exc:  # a bug in a step: the scheduler's state is unknown, so stop serving
             log.exception("the engine thread stopped")
             why = f"the engine failed: {type(exc).__name__}: {exc}"
         with self._lock:
@@ -183,12 +187,14 @@ class AsyncEngine:
             if kind == "add":
                 self._add(*command[1:])
             elif kind == "abort":
-                self._scheduler.abort(command[1])
+                request_id, outputs = command[1:]
+                if outputs is None or self._streams.get(request_id, (None, None))[1] is outputs:
+                    self._scheduler.abort(request_id)
             elif kind == "call":
                 fn, loop, done = command[1:]
                 try:
                     self._post(loop, _resolve, done, fn())
-                except Exception as exc:
+                except BaseException as exc:  # CancelledError or SystemExit too: the caller's, not the thread's
                     self._post(loop, _resolve, done, None, exc)
 
     def _add(self, prompt, params, request_id, loop, accepted, outputs) -> None:
@@ -200,13 +206,13 @@ class AsyncEngine:
             return
         self._streams[request_id] = (loop, outputs)
         self._prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
-        if not self._post(loop, self._accepted, accepted, request_id):
+        if not self._post(loop, self._accepted, accepted, request_id, outputs):
             scheduler.abort(request_id)
 
-    def _accepted(self, accepted: asyncio.Future, request_id: str) -> None:
+    def _accepted(self, accepted: asyncio.Future, request_id: str, outputs: asyncio.Queue) -> None:
         """On the caller's loop: the request is queued; a caller cancelled meanwhile aborts it."""
         if accepted.cancelled():
-            self.abort(request_id)
+            self._abort(request_id, outputs)
         else:
             accepted.set_result(None)
 

@@ -104,6 +104,70 @@ def test_a_consumer_that_stops_reading_frees_its_row(engine):
         async_engine.close()
 
 
+def test_a_consumer_cancelled_as_its_request_is_accepted_frees_its_row(engine):
+    """The task is cancelled in the loop iteration that accepts its request, before it resumes:
+    the request is aborted, not left decoding its 60 tokens for nobody."""
+    class CancelOnAccept(AsyncEngine):
+        victim = None
+
+        def _accepted(self, *args):
+            super()._accepted(*args)
+            self.victim.cancel()
+
+    async_engine = CancelOnAccept(engine, rows=1)
+    try:
+        async def main():
+            async_engine.victim = asyncio.ensure_future(collect(async_engine, [1, 2, 3], SamplingParams(
+                max_new_tokens=60, ignore_eos=True)))
+            with pytest.raises(asyncio.CancelledError):
+                await async_engine.victim
+            async_engine.victim = asyncio.ensure_future(asyncio.sleep(0))  # the next one's cancel hits nothing
+            return await collect(async_engine, [6, 7], SamplingParams(max_new_tokens=5))
+        asyncio.run(main())
+        stats = async_engine.stats()
+        assert stats["finished"] == {"abort": 1, "length": 1} and stats["generation_tokens"] < 60
+    finally:
+        async_engine.close()
+
+
+def test_a_stale_stream_does_not_abort_a_newer_request_of_its_id(engine):
+    """A's request ends in the engine while its consumer has not read the end; B reuses the id;
+    then A's consumer stops: B runs to its length."""
+    async_engine = AsyncEngine(engine, rows=2)
+    try:
+        async def main():
+            a = async_engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3), request_id="x")
+            await anext(a)
+            while async_engine.stats()["finished"].get("length", 0) < 1:  # A ended in the engine
+                await asyncio.sleep(0.01)
+            b = async_engine.generate([4, 5], SamplingParams(max_new_tokens=30, ignore_eos=True), request_id="x")
+            first = await anext(b)  # B is accepted under "x"
+            await a.aclose()
+            async for last in b:
+                pass
+            return first, last
+        first, last = asyncio.run(main())
+        assert last.finish_reason == "length" and len(last.result.token_ids) == 30
+    finally:
+        async_engine.close()
+
+
+def test_a_call_that_raises_a_base_exception_reaches_its_caller_only(engine):
+    """fn() raising CancelledError (a BaseException): the caller gets it, the engine serves on."""
+    async_engine = AsyncEngine(engine)
+    try:
+        def cancelled():
+            raise asyncio.CancelledError("inside fn")
+
+        async def main():
+            with pytest.raises(asyncio.CancelledError):  # (a dead engine thread never answers: fail, not hang)
+                await asyncio.wait_for(async_engine.call(cancelled), timeout=60)
+            return await asyncio.wait_for(collect(async_engine, [6, 7], SamplingParams(max_new_tokens=5)), timeout=60)
+        assert len(asyncio.run(main())[0]) == 5 and async_engine.error is None
+    finally:
+        async_engine.close()
+
+
 def test_close_stops_serving_and_releases_the_engine(engine):
     async_engine = AsyncEngine(engine)
     async_engine.close()
