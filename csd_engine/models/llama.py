@@ -56,6 +56,8 @@ def unsupported(cfg) -> str | None:
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         return "rope_type 'dynamic' (its frequencies change with the sequence's length)"
     return None
+
+
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # Matmul rows per block in batch-invariant mode. On this CPU (Qwen 1.5B, bf16, batch 1) 16 rows
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but

@@ -260,6 +260,18 @@ class Decoder:
         return out, plan
 
 
+def is_int(value) -> bool:
+    """An int, not a bool (a strategy's counts and indexes)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_drafter_index(drafter, strategy: str) -> None:
+    """At a strategy's construction: `drafter` is an index into engine.drafters."""
+    if not is_int(drafter) or drafter < 0:
+        raise ValueError(f"{strategy}(drafter=...) must be an int >= 0 (an index into engine.drafters), "
+                         f"got {drafter!r}")
+
+
 def require_one_device(models: Models, strategy: str) -> None:
     """Strategies other than Pearl run every model on the engine's device."""
     if models.drafter_device != models.device:

@@ -43,7 +43,7 @@ from csd_engine.kernels.random import stream_seed
 from csd_engine.kernels.review import review_bookkeeping, review_bookkeeping_ref
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
-from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, one_hot,
+from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, is_int, one_hot,
                                         require_one_device, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
@@ -88,19 +88,15 @@ def _validate_k_matrix(rows, n_drafters: int, is_mag: list[bool]) -> tuple[tuple
     return tuple(tuple(r) for r in rows)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_settings(owner: str, lenience, mag_tokens, direct_match, direct_tokens) -> None:
     """The settings Cascade and Cascade.auto() share; `owner` names the strategy in the error."""
     if isinstance(lenience, bool) or not isinstance(lenience, (int, float)) or not 1 <= lenience < float("inf"):
         raise ValueError(f"{owner}(lenience=...) must be a number >= 1, got {lenience!r}")
-    if not _is_int(mag_tokens) or mag_tokens < 1:
+    if not is_int(mag_tokens) or mag_tokens < 1:
         raise ValueError(f"{owner}(mag_tokens=...) must be an int >= 1, got {mag_tokens!r}")
-    if not _is_int(direct_match) or direct_match < 0:
+    if not is_int(direct_match) or direct_match < 0:
         raise ValueError(f"{owner}(direct_match=...) must be an int >= 0 (0 = never), got {direct_match!r}")
-    if not _is_int(direct_tokens) or direct_tokens < 1:
+    if not is_int(direct_tokens) or direct_tokens < 1:
         raise ValueError(f"{owner}(direct_tokens=...) must be an int >= 1, got {direct_tokens!r}")
 
 

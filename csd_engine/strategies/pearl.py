@@ -56,7 +56,7 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
-                                        commit, emitted_block, emitted_logprobs, forward_tokens)
+                                        check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens)
 from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
 
 
@@ -83,8 +83,7 @@ class Pearl:
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
             raise ValueError(f"Pearl.gamma must be an int in [1, 64], got {self.gamma!r}")
-        if isinstance(self.drafter, bool) or not isinstance(self.drafter, int) or self.drafter < 0:
-            raise ValueError(f"Pearl.drafter must be an int >= 0 (an index into engine.drafters), got {self.drafter!r}")
+        check_drafter_index(self.drafter, "Pearl")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"Pearl.adaptive must be True or False, got {self.adaptive!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):

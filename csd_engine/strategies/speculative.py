@@ -13,8 +13,8 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Decoder, Draft, Models, StepOutput, catch_up_tokens,
-                                        commit, forward_tokens, logits_at, require_one_device, roll_back_drafters,
-                                        verify_chain)
+                                        check_drafter_index, commit, forward_tokens, logits_at, require_one_device,
+                                        roll_back_drafters, verify_chain)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,6 @@ def check_confidence(value, strategy: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{strategy}(min_confidence=...) must be a number in [0, 1) (0: never stop early), "
                          f"got {value!r}")
-
-
-def check_drafter_index(drafter, strategy: str) -> None:
-    """At construction: `drafter` is an index into engine.drafters."""
-    if isinstance(drafter, bool) or not isinstance(drafter, int) or drafter < 0:
-        raise ValueError(f"{strategy}(drafter=...) must be an int >= 0 (an index into engine.drafters), "
-                         f"got {drafter!r}")
 
 
 def check_drafter(models: Models, drafter: int, strategy: str) -> None:

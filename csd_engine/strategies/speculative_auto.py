@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.drafters.mag import MaG
-from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, commit,
-                                        roll_back_drafters, verify_chain)
+from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, check_drafter_index,
+                                        commit, roll_back_drafters, verify_chain)
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
 from csd_engine.strategies.budget import check_pricing, cost_ratio, width_costs
-from csd_engine.strategies.speculative import (SpeculativeDecoder, check_confidence, check_drafter, check_drafter_index,
-                                               draft_chain)
+from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,10 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.ops import PADDING
-from csd_engine.strategies.base import DecodeState, Decoder, Models, StepOutput, commit, require_one_device
+from csd_engine.strategies.base import (DecodeState, Decoder, Models, StepOutput, check_drafter_index, commit, is_int,
+                                        require_one_device)
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -41,14 +38,12 @@ class Staged:
 
     def __post_init__(self):
         if not isinstance(self.branching, (tuple, list)) or not self.branching \
-                or not all(_is_int(b) and b >= 1 for b in self.branching):
+                or not all(is_int(b) and b >= 1 for b in self.branching):
             raise ValueError(f"Staged.branching must be a non-empty tuple of ints >= 1 (children per node at "
                              f"each depth, e.g. (4, 2, 1, 1)), got {self.branching!r}")
         object.__setattr__(self, "branching", tuple(self.branching))
-        if not _is_int(self.drafter) or self.drafter < 0:
-            raise ValueError(f"Staged.drafter must be an int >= 0 (an index into engine.drafters), "
-                             f"got {self.drafter!r}")
-        if not _is_int(self.mag_tokens) or self.mag_tokens < 0:
+        check_drafter_index(self.drafter, "Staged")
+        if not is_int(self.mag_tokens) or self.mag_tokens < 0:
             raise ValueError(f"Staged.mag_tokens must be an int >= 0 (0 = no MaG stage), got {self.mag_tokens!r}")
 
     @property

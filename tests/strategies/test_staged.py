@@ -193,7 +193,7 @@ def test_bad_configurations_are_refused():
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match="mag_tokens must be"):
             Staged(mag_tokens=bad)
-        with pytest.raises(ValueError, match="drafter must be"):
+        with pytest.raises(ValueError, match=r"\(drafter=\.\.\.\) must be an int >= 0"):
             Staged(drafter=bad)
     assert Staged(branching=[4, 2]).branching == (4, 2)
 
