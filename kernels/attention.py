@@ -36,8 +36,8 @@ def _dot_operand(x, UPCAST: tl.constexpr):
     # Triton's interpreter (CPU) multiplies the raw bits of bf16 dot operands (triton#11584);
     # there the values go through fp32, which holds every bf16/fp16 value exactly.
     if UPCAST:
-        return x.to(tl.float32)
-    return x
+        x = x.to(tl.float32)
+    return x  # one return: Triton's compiler refuses returns of two types
 
 
 @triton.jit

@@ -3,12 +3,17 @@ import shutil
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so this must run before any
 # csd_engine.kernels module is imported. Without a GPU the kernels run in the interpreter.
-if shutil.which("nvidia-smi") is None:
+# With CSD_COMPILE_FOR=80,90 (tests/gpu_compile.py) each launch is compiled for those GPUs, then interpreted.
+if shutil.which("nvidia-smi") is None and not os.environ.get("CSD_COMPILE_FOR"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CSD_DEBUG", "1")  # runners check the host-side attention bounds
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("CSD_COMPILE_FOR"):
+    from tests.gpu_compile import install
+    install([int(arch) for arch in os.environ["CSD_COMPILE_FOR"].split(",")], os.environ.get("CSD_COMPILE_LOG"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, no oversubscription
     torch.set_num_threads(1)
