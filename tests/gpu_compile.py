@@ -1,8 +1,8 @@
 """Every Triton kernel a test launches, compiled for GPUs that are not here, then interpreted.
 
-Triton's interpreter (how the tests run kernels on the CPU) accepts code its compiler rejects:
-a block size that is not a power of two, a dtype an op does not take, a constexpr read as a
-tensor. With `install()` a test process compiles each launch's specialization (its argument
+Triton's interpreter (how the tests run kernels on the CPU) runs kernels as Python and accepts
+code its compiler rejects: a `break` in a loop, a helper returning two types from two branches.
+With `install()` a test process compiles each launch's specialization (its argument
 dtypes and constexprs, as a GPU launch would) to a cubin for each target architecture through
 Triton's own pipeline and ptxas, with no device, checks that it fits the architecture's shared
 memory, and then runs the launch in the interpreter, so the test still checks its results. It
@@ -21,7 +21,7 @@ from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 
-# shared memory per block (opt-in maximum) of an A100 (sm_80) and an H100 / H200 (sm_90)
+# shared memory per block (opt-in maximum): A100 (sm_80), RTX 30xx / 40xx (sm_86, sm_89), H100 / H200 (sm_90)
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 # constexprs a launcher sets otherwise on the CPU than on a GPU: compiled with the GPU's value
 GPU_CONSTEXPRS = {"UPCAST_DOTS": False}  # kernels.attention: fp32 dot operands only for the interpreter

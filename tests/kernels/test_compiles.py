@@ -2,8 +2,7 @@
 where it is measured), here without one.
 
 The interpreter that runs the kernels in the other tests accepts code Triton's compiler refuses
-(a return of another type in one branch, a block that is not a power of two, an op a dtype does
-not have). One subprocess reruns the kernel tests and the generations on the GPU path's kernels
+(a `break` in a loop, a helper returning two types from two branches). One subprocess reruns the kernel tests and the generations on the GPU path's kernels
 with tests/gpu_compile.py installed: each launch is compiled for both, through ptxas, before it
 is interpreted. The run passes only if everything they launch compiles and fits each GPU's shared
 memory; and every kernel in kernels/ must have been compiled at least once.
