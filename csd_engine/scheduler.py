@@ -384,12 +384,16 @@ class Scheduler:
                 request.finish = "stop"
 
     def _increment(self, request: Request) -> RequestOutput:
-        """The request's output since its last increment (`request.sent` marks it)."""
-        sent, request.sent = request.sent, len(request.output)
-        text = None if request.text is None else request.text.delta(final=request.finish is not None)
-        logprobs = None if request.logprobs is None else request.logprobs[sent:]
+        """The request's output since its last increment (`request.sent` marks it). With stop
+        strings, tokens whose text is not settled yet (IncrementalText.read) wait: a stop string
+        their text completes would cut the tokens after it from the result."""
         done = request.finish is not None
-        return RequestOutput(request.id, request.output[sent:], text, logprobs, done, request.finish,
+        text = request.text
+        end = len(request.output) if done or text is None or not text.stop else text.read
+        sent, request.sent = request.sent, end
+        delta = None if text is None else text.delta(final=done)
+        logprobs = None if request.logprobs is None else request.logprobs[sent:end]
+        return RequestOutput(request.id, request.output[sent:end], delta, logprobs, done, request.finish,
                              self._result(request) if done else None, request.error)
 
     def _result(self, request: Request):

@@ -207,6 +207,30 @@ def test_stop_strings_cut_the_text_before_the_stop(models, name):
         assert r.token_ids == free.token_ids[:n], "the tokens must end with the one that completed the stop string"
 
 
+@pytest.mark.parametrize("name", ["speculative-mag", "cascade2-l2", "cascade-tree", "staged", "pearl"])
+def test_streamed_tokens_stop_where_a_stop_string_cuts_them(models, name):
+    """A stop string completed by a token that a step emits with half a character after it: the
+    text settles only when the character does, and the stop string then cuts the tokens after
+    its last one from the result, so they must not have been streamed. Stops end before every
+    token of the free output that starts or ends a split character."""
+    engine = engine_for(models, name)
+    strategy = STRATEGIES[name][1]
+    prompt = repetitive_prompt(7)
+    free = alone(engine, strategy, prompt, SamplingParams(max_new_tokens=30)).token_ids
+    decode = engine.tokenizer.decode
+    ends = [n for n in range(2, len(free)) if free[n] % 7 in (0, 1) and "\ufffd" not in decode(free[:n])[-2:]]
+    assert len(ends) >= 2, "the free output splits too few characters to test"
+    for n in ends:
+        params = SamplingParams(max_new_tokens=30, stop=decode(free[:n])[-2:], logprobs=True)
+        tokens, logprobs = [], []
+        for out in engine.stream([prompt], params, strategy=strategy):
+            tokens += out.token_ids
+            logprobs += out.logprobs
+            result = out.result
+        assert result.finish_reason == "stop"
+        assert tokens == result.token_ids and logprobs == result.logprobs, f"stop {params.stop!r}"
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_logprobs_are_the_target_processed_distribution(models, name):
     """Every path (chain, tree, PEARL) reports log p(token | prefix) of the distribution the
