@@ -158,7 +158,9 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="off",
                    help="on a GPU with native runners: 'forward' replays each forward from a CUDA graph, 'step' "
                         "each whole decoding step (not Pearl's concurrent rounds); ignored on a CPU (default off)")
-    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest sequence a request may reach, prompt included (default 2048, or less where a "
+                        "model's sliding window or position table ends first)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="csd_engine's log messages on stderr (model builds, progress)")
 

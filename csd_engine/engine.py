@@ -35,6 +35,7 @@ from csd_engine.verifier import Verifier, choose_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "triton")
+DEFAULT_MAX_SEQ_LEN = 2048  # max_seq_len when not given, unless a model's window or position table is shorter
 
 
 def _checked_dtype(dtype) -> torch.dtype:
@@ -63,7 +64,7 @@ def _checked_device(device, name: str = "device") -> torch.device:
 
 class Engine:
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
-                 max_seq_len: int = 2048, verify_backend: str | None = None, native: bool | None = None,
+                 max_seq_len: int | None = None, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool | str = False,
                  fused_kernels: bool | None = None, drafter_device=None, batch_invariant: bool = False):
         if isinstance(drafters, (str, os.PathLike, torch.nn.Module, MaG)):
@@ -72,8 +73,11 @@ class Engine:
             raise TypeError(f"drafters must be a list (of zoo names, folders, models or 'mag'; [] for none), "
                             f"got {drafters!r}")
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 2)):
+            if name == "max_seq_len" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+                raise ValueError(f"{name} must be an int >= {low}" + (" (or None: the default)" * (low == 2))
+                                 + f", got {value!r}")
         if native is not None and not isinstance(native, bool):
             raise TypeError(f"native must be None (the native runner where it supports the model), True or False, "
                             f"got {native!r}")
@@ -95,7 +99,6 @@ class Engine:
                                                                                         "drafter_device")
         self.dtype = dtype
         self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
         self.fused_kernels = fused_kernels
         self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend, fused_kernels)
@@ -110,14 +113,8 @@ class Engine:
                                  f"{self.drafter_device} (drafter_device): build it there or pass a model")
         if batch_invariant:
             self._make_batch_invariant()
-        self.capacity = max_seq_len + HEADROOM
-        for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
-                                [self.target, *self.drafters]):
-            window = getattr(runner, "attention_window", None)
-            if window is not None and self.capacity > window:  # full attention equals the window's inside it
-                raise ValueError(f"{name} attends over a sliding window of {window} tokens; csd_engine attends to "
-                                 f"the whole sequence, the same while it fits the window with {HEADROOM} slots for "
-                                 f"drafts: max_seq_len must be at most {window - HEADROOM}, got {max_seq_len}")
+        self.max_seq_len = self._sequence_limit(max_seq_len)
+        self.capacity = self.max_seq_len + HEADROOM
         for runner in self.models():
             runner.allocate(max_batch_size, self.capacity)
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches
@@ -125,6 +122,27 @@ class Engine:
         # step more, which costs nothing there, against a forward whose cost grows with its width.
         self.trim_drafts = self.device.type == "cpu"
         self._kept_steps = None  # the last scheduler's step graphs (scheduler.KeptSteps), cuda_graphs="step"
+
+    def _sequence_limit(self, requested: int | None) -> int:
+        """max_seq_len as asked, or by default DEFAULT_MAX_SEQ_LEN or less where a model's limit
+        comes first. A sliding window: full attention (csd_engine's) equals the window's while the
+        sequence and its drafts' HEADROOM fit in it. A learned position table: no position past it."""
+        limits = []
+        for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
+                                [self.target, *self.drafters]):
+            window, positions = getattr(runner, "attention_window", None), getattr(runner, "max_positions", None)
+            if window is not None:
+                limits.append((window - HEADROOM, f"{name} attends over a sliding window of {window} tokens; "
+                                                  f"csd_engine attends to the whole sequence, the same while it fits "
+                                                  f"the window with {HEADROOM} slots for drafts"))
+            if positions is not None:
+                limits.append((positions - HEADROOM, f"{name} has learned embeddings for {positions} positions, "
+                                                     f"which must hold the sequence and {HEADROOM} slots for drafts"))
+        for limit, reason in limits:
+            if limit < 2 or (requested is not None and requested > limit):
+                raise ValueError(f"{reason}: max_seq_len must be at most {limit}, got {requested}" if limit >= 2 else
+                                 f"{reason}: no max_seq_len (>= 2) fits")
+        return requested if requested is not None else min([DEFAULT_MAX_SEQ_LEN] + [limit for limit, _ in limits])
 
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from csd_engine.models.runner import ForwardBatch, Runner, attention_window
+from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit
 
 
 class _Lengths:
@@ -54,6 +54,7 @@ class HFRunner(Runner):
         self.vocab_size = hf_model.config.vocab_size
         self.num_params = sum(p.numel() for p in hf_model.parameters())
         self.attention_window = attention_window(hf_model.config)
+        self.max_positions = position_limit(hf_model)
         self.caches: list[DynamicCache] = []
 
     def allocate(self, batch: int, capacity: int) -> None:

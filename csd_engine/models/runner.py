@@ -43,6 +43,18 @@ def attention_window(config) -> int | None:
     return window if layer_types is None or "sliding_attention" in layer_types else None
 
 
+def position_limit(model) -> int | None:
+    """How many positions a model's learned position table holds (GPT-2's `wpe`, OPT's
+    `embed_positions` less its offset), or None: positions without a table (RoPE, ALiBi), which
+    go on past the config's maximum. Past the table a forward fails (an index error)."""
+    inputs = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and module is not inputs and (leaf == "wpe" or "position" in leaf):
+            return module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
 class Runner:
     """Base of the native and the generic runner: owns the static cache and the bookkeeping."""
 
@@ -57,6 +69,8 @@ class Runner:
     eos_token_ids: tuple[int, ...] = ()
     # The model's sliding attention window (attention_window), None for full attention.
     attention_window: int | None = None
+    # The positions its learned position table holds (position_limit), None without a table.
+    max_positions: int | None = None
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None

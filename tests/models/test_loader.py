@@ -107,6 +107,32 @@ def test_a_sliding_window_bounds_max_seq_len():
                 _hf_greedy(model, prompt, 20)
 
 
+def test_a_learned_position_table_bounds_max_seq_len():
+    """GPT-2 learns embeddings for n_positions positions and fails past them: the engine bounds
+    max_seq_len by the table less the drafts' headroom (refused by name above it, the largest
+    that fits when not given), and speculation then runs exactly to the end, where its drafts
+    go past max_seq_len (before: an index error in the drafts' verification)."""
+    from csd_engine import Autoregressive, Cascade, Speculative, Staged
+    from csd_engine.scheduler import HEADROOM
+    from tests.tiny_models import perturbed, tiny_gpt2
+
+    target = tiny_gpt2(seed=3)  # n_positions 512
+    drafter = perturbed(target, noise=0.2, seed=4)
+    limit = 512 - HEADROOM
+    with pytest.raises(ValueError, match=rf"learned embeddings for 512 positions.*max_seq_len must be at most {limit}"):
+        Engine(target, max_batch_size=1, max_seq_len=limit + 1)
+    with pytest.raises(ValueError, match=rf"drafter 0 has learned embeddings.*at most {limit}, got 300"):
+        Engine(tiny_llama(seed=0), drafters=[drafter], max_batch_size=1, max_seq_len=300)
+    engine = Engine(target, drafters=[drafter, "mag"], max_batch_size=1)
+    assert engine.max_seq_len == limit
+    prompt = ([5, 9, 2, 7, 3] * 60)[:limit - 6]  # repetitive: MaG matches to the end
+    params = SamplingParams(max_new_tokens=50)
+    plain = engine.generate([prompt], params, strategy=Autoregressive())[0]
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 6
+    for strategy in (Speculative(k=4), Cascade(k_matrix=[[2, 2], [0, 2]], mag_tokens=2), Staged(branching=(2, 2))):
+        assert engine.generate([prompt], params, strategy=strategy)[0].token_ids == plain.token_ids, strategy
+
+
 def test_model_specs_users_write():
     """A pathlib.Path and '~' work like the path; a quantization suffix in any case works; one
     out of order is refused by its form, not 'did you mean'; a transformers model that is not a
