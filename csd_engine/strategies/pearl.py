@@ -49,7 +49,7 @@ one H100 (docs/measurements.md): the two sides, both bandwidth-bound on one memo
 """
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 import torch
@@ -156,8 +156,12 @@ class PearlDecoder(Decoder):
         post = self.post & state.active
         any_post = any(row[0] for row in plan)
         job = self._submit_drafter(state, post, any_post)
-        target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
-        logits = forward_tokens(self.target, state, target_ids)
+        try:
+            target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
+            logits = forward_tokens(self.target, state, target_ids)
+        except BaseException:
+            wait([job])  # the drafter writes its cache: nothing may go on running after a failed step
+            raise
         new, new_q = self._join(job, state.metrics, time.perf_counter())
 
         drafts = submitted_chain(post, any_post, self.carry, new)

@@ -2,6 +2,8 @@
 follows the target (including the drafter's extension checked at the bonus position), both
 caches hold exactly the committed sequence after many mode switches, and threads never make
 the output depend on timing."""
+import time
+
 import pytest
 import torch
 
@@ -156,6 +158,42 @@ def test_same_seeds_give_the_same_tokens_despite_threads(models):
         assert a.token_ids == b.token_ids, f"seed {seed}"
         assert a.metrics.draft_lengths == b.metrics.draft_lengths
         assert_metrics_consistent(a, 3)
+
+
+def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch):
+    """A target forward that raises inside a PEARL round: the round's drafter job (on the
+    worker thread, writing the drafter's cache) ends before generate raises, so nothing runs on
+    the engine's caches afterwards, and the next generate is exact."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(2, lo=3, hi=9, seed=5)
+    params = SamplingParams(max_new_tokens=12)
+    plain = engine.generate(prompts, params, strategy=Autoregressive())
+    drafter_forward, target_forward = engine.drafters[0].forward, engine.target.forward
+    finished, calls = [], []
+
+    def slow_drafter(batch):
+        time.sleep(0.05)
+        out = drafter_forward(batch)
+        finished.append(time.perf_counter())
+        return out
+
+    def failing_target(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the target failed")
+        return target_forward(batch)
+
+    monkeypatch.setattr(engine.drafters[0], "forward", slow_drafter)
+    monkeypatch.setattr(engine.target, "forward", failing_target)
+    with pytest.raises(RuntimeError, match="the target failed"):
+        engine.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))
+    raised = time.perf_counter()
+    time.sleep(0.5)
+    assert not [t for t in finished if t > raised], "the drafter thread went on after generate raised"
+    monkeypatch.undo()
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))] == \
+        [r.token_ids for r in plain]
 
 
 def test_bad_configurations_are_refused(models):
