@@ -8,8 +8,9 @@ distribution after the path root..i.
 The walk starts at the root. At node v (depth d) the row tries v's children in index order:
 * greedy row (temperature 0): move to the first child whose token is argmax logits[b, v];
 * sampling row: with p' = p_v (the processed distribution: temperature, top-k, top-p), the
-  r-th child c tried at v is accepted iff u * q(c) < p'(c), u = uniform(seed, offset + d,
-  1 + V + r). q is the child's proposal `draft_probs[b, c]`; a rejection leaves
+  r-th child c tried at v is accepted iff u * q(c) < p'(c), u = uniform(seed, offset + d, 0)
+  for r = 0 (what verify.py draws for a chain's token at d: a chain-shaped tree's walk is the
+  chain's) and uniform(seed, offset + d, 1 + V + r) after it. q is the child's proposal `draft_probs[b, c]`; a rejection leaves
   p' = norm(max(0, p' - q)). Without draft_probs every child is deterministic (q one-hot):
   the test is u < p'(c) and a rejection removes c from p'.
 Accepting a child moves there. Where no child is accepted the row emits one token: the
@@ -139,7 +140,7 @@ def _tree_verify_kernel(logits_ptr, stride_lb, stride_ln, draft_ptr, stride_db, 
                     else:
                         # u * q(c) < p'(c) = residual[c] / mass, without dividing: once p' has
                         # vanished (mass 0) nothing is accepted and nothing more is removed.
-                        u_mass = uniform(seed, counter, 1 + V + tried) * mass
+                        u_mass = uniform(seed, counter, tl.where(tried == 0, 0, 1 + V + tried)) * mass
                         draft_row = draft_ptr + b * stride_db + child * stride_dn
                         if HAS_DRAFT_PROBS:
                             u_mass *= tl.load(draft_row + token).to(tl.float32)
@@ -288,7 +289,7 @@ def tree_verify_ref(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
         for child in range(depth + 1, nodes):  # a node at depth d has index >= d, its children > d
             trying = searching & (parents[:, child] == node) & (chosen < 0)
             token = torch.where(trying, tokens[:, child], 0)
-            u_mass = uniform_ref(seed, counter, 1 + vocab + tried) * mass  # u * q(c) < residual[c] / mass
+            u_mass = uniform_ref(seed, counter, torch.where(tried == 0, 0, 1 + vocab + tried)) * mass  # u * q(c) < p'(c)
             if draft_probs is None:
                 sampled_accept = u_mass < residual[rows, token]
                 shrunk = residual.clone()

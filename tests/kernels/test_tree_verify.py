@@ -102,7 +102,8 @@ def to_device(*tensors):
 def spec_walk(logits, tokens, parents, draft_probs, temperature, top_k, top_p, seed, offset) -> tuple[list[int], int]:
     """docs/algorithms.md, Token trees, on one row, node by node, in float64: (accepted path, emitted
     token). Same random numbers as the kernel: u of the r-th child tried at depth d is
-    uniform(seed, offset + d, 1 + V + r); the final sample's noise is gumbel(seed, offset + d, 1 + y)."""
+    uniform(seed, offset + d, 0) for r = 0 (the chain verifier's), uniform(seed, offset + d, 1 + V + r)
+    after it; the final sample's noise is gumbel(seed, offset + d, 1 + y)."""
     vocab = logits.shape[-1]
     node, path = 0, []
     while True:
@@ -121,7 +122,7 @@ def spec_walk(logits, tokens, parents, draft_probs, temperature, top_k, top_p, s
         accepted = None
         for r, child in enumerate(children):
             token = int(tokens[child])
-            u = float(uniform_ref(seed, counter, 1 + vocab + r))
+            u = float(uniform_ref(seed, counter, 0 if r == 0 else 1 + vocab + r))
             q = F.one_hot(torch.tensor(token), vocab).double() if draft_probs is None else draft_probs[child].double()
             if u * q[token] < residual[token]:
                 accepted = child
@@ -192,6 +193,36 @@ def test_vanished_residual_samples_target():
         result = verify(*args)
         assert (result.num_accepted == 0).all(), where
         assert_matches_spec(result, args, where)
+
+
+@pytest.mark.parametrize("verify", [tree_verify, tree_verify_ref])
+@pytest.mark.parametrize("drawn", [False, True])
+def test_a_chain_shaped_tree_walks_as_the_chain_verifier(verify, drawn):
+    """One child per depth (padding past each row's draft length): the tree accepts and emits
+    what kernels.verify does for that chain at lenience 1 with the same seeds, its first child
+    at a depth drawing the chain's uniform. A cascade step is verified as a tree when any row
+    wants one, and a row that wants none is such a tree beside it: its tokens must not depend on
+    whether a neighbour wanted a tree (a seeded request's tokens on its own)."""
+    from csd_engine.kernels.verify import verify_ref
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, width, vocab = 64, 4, 64
+    logits = LOGIT_SCALE * torch.randn(rows, width + 1, vocab, generator=gen)
+    q = torch.softmax(logits[:, :width] + torch.randn(rows, width, vocab, generator=gen), dim=-1)
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(rows, width)
+    num_drafts = torch.randint(0, width + 1, (rows,), generator=gen)
+    settings = sampling_settings(rows, gen)
+    chain = verify_ref(logits, drafts, num_drafts, q if drawn else None, *settings)
+    parents = torch.arange(-1, width).repeat(rows, 1)
+    parents[torch.arange(width + 1)[None, :] > num_drafts[:, None]] = -2
+    tokens = torch.cat([drafts[:, :1], drafts], dim=1)  # node 0 (the root) is never checked
+    draft_probs = torch.cat([q[:, :1], q], dim=1) if drawn else None
+    tree = verify(*to_device(logits, tokens, parents, draft_probs, *settings))
+    assert chain.num_accepted.tolist() == tree.num_accepted.cpu().tolist(), f"seed {seed}"
+    assert chain.next_token.tolist() == tree.next_token.cpu().tolist(), f"seed {seed}"
+    sampled = settings[0] > 0
+    assert 0 < int((chain.num_accepted[sampled] < num_drafts[sampled]).sum()) < int(sampled.sum()), \
+        "every sampled row rejected, or none did: the test saw one outcome only"
 
 
 def emitted_tokens(result: TreeVerifyResult, tokens: torch.Tensor, count: int) -> torch.Tensor:
