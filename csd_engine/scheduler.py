@@ -175,8 +175,9 @@ class Scheduler:
         if 2 * decoder.max_tokens_per_forward > HEADROOM:
             # A row can commit up to one forward past its limit in its last step, and a row is
             # fed (masked) once more before it leaves: two forwards must fit.
-            raise ValueError(f"the strategy feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
-                             f"at most {HEADROOM // 2} fit the cache headroom")
+            raise ValueError(f"{strategy!r} feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
+                             f"at most {HEADROOM // 2} fit the cache headroom: shorten its drafts (k, gamma, "
+                             f"k_matrix, mag_tokens, direct_tokens, tree, branching)")
         if not engine._busy.acquire(blocking=False):
             raise RuntimeError("the engine is busy: another generate or scheduler holds its caches (one at a "
                                "time; serve concurrent callers through csd_engine.serving.AsyncEngine)")
