@@ -525,13 +525,17 @@ class Scheduler:
 
     def _empty_freed_rows(self) -> None:
         """Rows freed since the last step and still free forget their request (committed and
-        cache lengths 0), so an idle row never holds the attention bound up or grows. Done at
-        the next step, not at once, so that after the last step the caches still show it."""
+        cache lengths 0), so an idle row never holds the attention bound up or grows, and its
+        sampling settings (greedy again): the host-known hints (all_greedy, max_top_k) describe
+        the occupied rows, and a kernel told every row is greedy draws nothing for any row. Done
+        at the next step, not at once, so that after the last step the caches still show it."""
         rows = [row for row in self.freed if self.slots[row] is None]
         self.freed = []
         if rows:
             index = torch.tensor(rows, device=self.engine.device)
-            self.state.committed[index] = 0
+            state = self.state
+            state.committed[index] = 0
+            state.temperature[index], state.top_k[index], state.top_p[index] = 0.0, 0, 1.0
             for runner in self.engine.models():
                 runner.cache.lengths[index.to(runner.device)] = 0
 

@@ -66,6 +66,25 @@ def test_greedy_tokens_on_the_kernel_path_equal_plain_decoding(target, name, mon
     assert drafters == () or any(r.metrics.mean_accepted_tokens > 1 for r in got), f"{name}: nothing accepted"
 
 
+@pytest.mark.parametrize("name", ["speculative-model", "cascade"])
+def test_a_greedy_request_outlives_a_sampled_neighbour_on_the_kernel_path(target, name, monkeypatch):
+    """A top-k request leaves before a greedy one: from then on every occupied row is greedy and
+    the verification kernel is told so (all_greedy), drawing nothing for any row, so the freed row
+    must be greedy again too. Before, its next token was read from never-written candidates and a
+    drafter embedded that garbage id (an index error here, a device-side assert on a GPU)."""
+    strategy = Speculative(k=3) if name == "speculative-model" else STRATEGIES[name][1]
+    drafters = [perturbed(target, 0.05, seed=4)] + (["mag"] if name == "cascade" else [])
+    prompts = [PROMPTS[0], [56]]
+    params = [SamplingParams(max_new_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=7, seed=3, max_new_tokens=12, ignore_eos=True)]
+    plain = Engine(target, max_batch_size=1, max_seq_len=64).generate(prompts[:1], params[0])[0]
+    engine = Engine(target, drafters=drafters, max_batch_size=2, max_seq_len=64)
+    monkeypatch.setenv("CSD_CPU_KERNELS", "1")
+    got = engine.generate(prompts, params, strategy=DevicePath(strategy))
+    assert got[0].token_ids == plain.token_ids
+    assert len(got[1].token_ids) == 12
+
+
 def test_a_request_with_non_finite_logits_fails_alone_on_the_kernel_path(monkeypatch):
     broken, plain = broken_and_plain(lambda: tiny_llama(seed=7))
     monkeypatch.setenv("CSD_CPU_KERNELS", "1")
