@@ -43,23 +43,24 @@ class IncrementalText:
             self.prefix, self.read = self.read, len(ids)
 
     def stop_at(self, ids: list[int]) -> int | None:
-        """If the settled text now holds a stop string: cut the text before the first one and
-        return how many tokens to keep (they end with the one that completed it)."""
+        """If the settled text now holds a stop string: return how many tokens to keep (they end
+        with the first token that completed one) and cut the text before the first stop string
+        in their text, as token-by-token decoding would (a later token may complete another
+        that starts earlier: it was never reached)."""
         if not self.stop:
             return None
         start, self.searched = max(0, self.searched - self.hold), len(self.text)
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if not found:
+        if not any(self.text.find(s, start) >= 0 for s in self.stop):
             return None
         base, prefix, read = self.last  # the text and window before this update
         context = self.decode(ids[prefix:read])
-        keep = len(ids)
+        keep, text = len(ids), self.text
         for n in range(read + 1, len(ids) + 1):
             text = self.text[:base] + self.decode(ids[prefix:n])[len(context):]
             if any(text.find(s, start) >= 0 for s in self.stop):
                 keep = n
                 break
-        self.text = self.text[:min(found)]
+        self.text = text[:min(i for i in (text.find(s, start) for s in self.stop) if i >= 0)]
         return keep
 
     def delta(self, final: bool) -> str:

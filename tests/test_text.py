@@ -50,6 +50,34 @@ def test_deltas_and_stop_strings_match_the_definition():
         assert out == tokens[:keep], trial
 
 
+def test_several_stop_strings_cut_where_token_by_token_decoding_stops():
+    """The tokens end with the first that completes any stop string, and the text is cut before
+    the first stop string in their text: one that a later token of the same step would complete,
+    starting earlier ("ebb" around the stop "b"), was never reached."""
+    rng = random.Random(1)
+    tok = ByteTokenizer()
+    overlapping = 0
+    for trial in range(400):
+        tokens = [rng.randrange(96) for _ in range(rng.randint(2, 40))]
+        steps = [rng.randint(1, 6) for _ in range(40)]
+        full = tok.decode(tokens)
+        clean = [i for i in range(len(full) - 3) if "\ufffd" not in full[i:i + 4]]
+        if not clean:
+            continue
+        at = rng.choice(clean)
+        longer = full[at:at + rng.randint(2, 4)]
+        inner = longer[rng.randrange(1, len(longer)):]  # completes before the longer one around it
+        stops = (longer, inner) if rng.random() < 0.5 else (inner, longer)
+        out, joined, final = run(tokens, steps, stops)
+        keep = next(n for n in range(1, len(tokens) + 1) if any(s in tok.decode(tokens[:n]) for s in stops))
+        reached = tok.decode(tokens[:keep])
+        cut = min(i for i in (reached.find(s) for s in stops) if i >= 0)
+        overlapping += full.find(longer) < cut
+        assert out == tokens[:keep], trial
+        assert joined == final == reached[:cut], (trial, stops)
+    assert overlapping >= 3, "too few cases where a longer stop string starts before the first one completed"
+
+
 def _check_pieces(tokenizer, ids):
     """token_bytes join to the decoded text's bytes, though some tokens decode alone to U+FFFD,
     and character_starts puts each token at the character it begins or completes."""
