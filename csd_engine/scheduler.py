@@ -59,8 +59,8 @@ HEADROOM = 256
 @dataclass
 class Metrics:
     new_tokens: int
-    target_forwards: int
-    drafter_forwards: list[int]
+    target_forwards: int  # the forwards of the steps it was decoded in (batched: each shared by its rows)
+    drafter_forwards: list[int]  # likewise: a drafter forward another row needed counts for every row in the step
     wall_time_s: float  # this request's own: from its arrival (queue and prefill included) to its last token
     tokens_per_s: float
     mean_accepted_tokens: float  # tokens emitted per target forward, bonus included (AR = 1.0)
