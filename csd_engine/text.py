@@ -8,6 +8,7 @@ the next token). Deltas handed out also hold back the last `len(longest stop) - 
 characters, which may be the start of a stop string, so the deltas, concatenated, are exactly
 the final text.
 """
+import codecs
 import re
 
 REPLACEMENT = "\ufffd"
@@ -87,15 +88,16 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     """Each token's own bytes, which join to the bytes of the text the tokens decode to. Decoding
     a token alone turns a piece of a multi-byte character into U+FFFD; here a byte-level BPE
     piece maps back through its alphabet, a byte-fallback piece (<0xE3>) is its byte, a
-    SentencePiece word piece's U+2581 a space, and an added (special) token is its text."""
+    SentencePiece word piece's U+2581 a space, an added token is its text, and a special token
+    (which the text skips) is empty."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     kinds = decoder.__getstate__().decode() if decoder is not None else ""
     added = getattr(tokenizer, "added_tokens_decoder", {})
     out = []
     for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
         byte = BYTE_TOKEN.fullmatch(piece) if "ByteFallback" in kinds and piece else None
-        if t in added or not piece:
-            out.append(tokenizer.decode([t]).encode())
+        if t in added or not piece:  # a special token is not in the text (skip_special_tokens)
+            out.append(tokenizer.decode([t], skip_special_tokens=True).encode())
         elif "ByteLevel" in kinds and all(c in BYTE_OF for c in piece):
             out.append(bytes(BYTE_OF[c] for c in piece))
         elif byte:
@@ -107,12 +109,19 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     return out
 
 
-def character_starts(pieces: list[bytes], start: int = 0) -> tuple[list[int], int]:
-    """Where each piece starts in the text, in characters from `start` (a piece that completes a
-    character begun before it starts at that character), and where the text after them starts."""
-    starts, count = [], start
-    for piece in pieces:
-        continues = bool(piece) and piece[0] & 0xC0 == 0x80  # a UTF-8 continuation byte
-        starts.append(max(start, count - continues))
-        count += sum(b & 0xC0 != 0x80 for b in piece)  # lead bytes: one per character
-    return starts, count
+class TextOffsets:
+    """Where each token starts in the text its bytes decode to (UTF-8, U+FFFD for what does not
+    decode, as the tokenizers' lossy decoding): the index of the character its first byte begins,
+    or completes when a character began in an earlier token. The decoder keeps a character split
+    across calls, so a stream's chunks get the offsets the whole text gives."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.count = 0  # characters decoded so far
+
+    def starts(self, pieces: list[bytes]) -> list[int]:
+        out = []
+        for piece in pieces:
+            out.append(self.count)
+            self.count += len(self.decoder.decode(piece))
+        return out

@@ -4,7 +4,7 @@ string cuts the text before its first occurrence, keeping the tokens up to the o
 completed it."""
 import random
 
-from csd_engine.text import IncrementalText, character_starts, token_bytes
+from csd_engine.text import IncrementalText, TextOffsets, token_bytes
 from tests.strategies.test_continuous import ByteTokenizer
 
 
@@ -79,16 +79,32 @@ def test_several_stop_strings_cut_where_token_by_token_decoding_stops():
 
 
 def _check_pieces(tokenizer, ids):
-    """token_bytes join to the decoded text's bytes, though some tokens decode alone to U+FFFD,
-    and character_starts puts each token at the character it begins or completes."""
-    text = tokenizer.decode(ids)
+    """token_bytes join to the bytes of the text the engine decodes (special tokens skipped),
+    though some tokens decode alone to U+FFFD, and TextOffsets puts each token at the character
+    it begins or completes, the same when the tokens come in chunks."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
     pieces = token_bytes(tokenizer, ids)
     assert b"".join(pieces) == text.encode()
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # what decoding alone gives
-    starts, end = character_starts(pieces, 5)
     offsets = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
-    assert starts == [5 + len(text.encode()[:o].decode(errors="ignore")) for o in offsets]
-    assert end == 5 + len(text)
+    want = [len(text.encode()[:o].decode(errors="ignore")) for o in offsets]
+    assert TextOffsets().starts(pieces) == want
+    for size in (1, 2, 3):
+        chunked = TextOffsets()
+        assert [s for i in range(0, len(pieces), size) for s in chunked.starts(pieces[i:i + size])] == want
+
+
+def test_text_offsets_of_split_and_broken_characters():
+    """A character split over tokens (in one chunk or across two) starts where it begins; a
+    stray continuation byte is a character of its own (U+FFFD, as lossy decoding gives it); a
+    token with no text (a special one) stands where the next character starts."""
+    split = [b"\xc3", b"\xa9"] * 3  # "ééé"
+    assert TextOffsets().starts(split) == [0, 0, 1, 1, 2, 2]
+    chunked = TextOffsets()
+    assert chunked.starts(split[:3]) + chunked.starts(split[3:]) == [0, 0, 1, 1, 2, 2]
+    pieces = [b"o", b"\xaa", b"T", b"", b"\xe6\x97", b"\xa5!"]
+    assert b"".join(pieces).decode(errors="replace") == "o\ufffdT\u65e5!"
+    assert TextOffsets().starts(pieces) == [0, 1, 2, 3, 3, 3]
 
 
 def test_token_bytes_of_byte_level_bpe():

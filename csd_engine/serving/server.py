@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from csd_engine.params import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 from csd_engine.scheduler import QueueFull, RequestOutput
 from csd_engine.serving.async_engine import EngineStopped
-from csd_engine.text import character_starts, token_bytes
+from csd_engine.text import TextOffsets, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -377,13 +377,13 @@ class _Server:
             return [str(t) for t in ids], [str(t).encode() for t in ids]
         return [self.tokenizer.decode([t]) for t in ids], token_bytes(self.tokenizer, ids)
 
-    def completion_logprobs(self, out: RequestOutput, offset: int) -> tuple[dict, int]:
+    def completion_logprobs(self, out: RequestOutput, offsets: TextOffsets) -> dict:
         """Each token as decoded alone, its log-probability, and the character where it starts
-        (or completes a character begun before it) in the choice's text, counting from `offset`;
-        then where the next chunk's tokens start."""
+        (or completes a character begun before it) in the choice's text: `offsets` carries the
+        choice's text over its chunks."""
         tokens, pieces = self.token_texts(out.token_ids)
-        starts, end = character_starts(pieces, offset)
-        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": starts}, end
+        return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": None,
+                "text_offset": offsets.starts(pieces)}
 
     def chat_logprobs(self, out: RequestOutput) -> dict:
         tokens, pieces = self.token_texts(out.token_ids)
@@ -422,7 +422,7 @@ class _Server:
                 choice["logprobs"] = self.chat_logprobs(whole) if logprobs else None
             else:
                 choice["text"] = result.text or ""  # no tokenizer: token_ids only
-                choice["logprobs"] = self.completion_logprobs(whole, 0)[0] if logprobs else None
+                choice["logprobs"] = self.completion_logprobs(whole, TextOffsets()) if logprobs else None
             choices.append(choice)
         usage = self.usage(prompts, sum(len(r.token_ids) for r in results))
         return JSONResponse({**head, "choices": choices, "usage": usage})
@@ -430,7 +430,7 @@ class _Server:
     async def events(self, chat, head, streams, firsts, prompts, logprobs, include_usage):
         """The server-sent events of a streamed response: one chunk per increment."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        offsets = [0] * len(streams)  # per choice: where its next token starts (completions' text_offset)
+        offsets = [TextOffsets() for _ in streams]  # per choice: its text so far (completions' text_offset)
         completion_tokens = 0
         async with contextlib.aclosing(_merge(streams, firsts)) as merged:
             async for index, out in merged:
@@ -453,7 +453,7 @@ class _Server:
                     choice["text"] = out.text or ""
                     choice["logprobs"] = None
                     if with_logprobs:
-                        choice["logprobs"], offsets[index] = self.completion_logprobs(out, offsets[index])
+                        choice["logprobs"] = self.completion_logprobs(out, offsets[index])
                 yield _event({**head, "choices": [choice]})
         if include_usage:
             yield _event({**head, "choices": [], "usage": self.usage(prompts, completion_tokens)})

@@ -128,6 +128,10 @@ def test_completions_equal_offline_generate(server, offline, tokenizer):
     assert sum((ch.choices[0].token_ids for ch in chunks), []) == expected.token_ids
     assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    offsets = choice.logprobs.text_offset  # where each token starts in the text, streamed or not
+    assert offsets == sorted(offsets) and all(0 <= o <= len(expected.text) for o in offsets)
+    streamed = c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True, logprobs=0)
+    assert sum((ch.choices[0].logprobs.text_offset for ch in streamed if ch.choices[0].logprobs), []) == offsets
 
     by_ids = c.completions.create(model="tiny", prompt=tokenizer(prompt)["input_ids"], max_tokens=24, temperature=0)
     assert by_ids.choices[0].token_ids == expected.token_ids
