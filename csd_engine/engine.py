@@ -139,9 +139,10 @@ class Engine:
                 limits.append((positions - HEADROOM, f"{name} has learned embeddings for {positions} positions, "
                                                      f"which must hold the sequence and {HEADROOM} slots for drafts"))
         for limit, reason in limits:
-            if limit < 2 or (requested is not None and requested > limit):
-                raise ValueError(f"{reason}: max_seq_len must be at most {limit}, got {requested}" if limit >= 2 else
-                                 f"{reason}: no max_seq_len (>= 2) fits")
+            if limit < 2:
+                raise ValueError(f"{reason}: no max_seq_len (>= 2) fits")
+            if requested is not None and requested > limit:
+                raise ValueError(f"{reason}: max_seq_len must be at most {limit}, got {requested}")
         return requested if requested is not None else min([DEFAULT_MAX_SEQ_LEN] + [limit for limit, _ in limits])
 
     def _load_drafter(self, spec, native, attention_backend):

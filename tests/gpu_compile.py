@@ -21,8 +21,8 @@ from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 
-# shared memory per block (opt-in maximum): A100 (sm_80), RTX 30xx / 40xx (sm_86, sm_89), H100 / H200 (sm_90)
-MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# shared memory per block (opt-in maximum): A100 (sm_80), H100 / H200 (sm_90)
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 # constexprs a launcher sets otherwise on the CPU than on a GPU: compiled with the GPU's value
 GPU_CONSTEXPRS = {"UPCAST_DOTS": False}  # kernels.attention: fp32 dot operands only for the interpreter
 
@@ -60,6 +60,8 @@ def _as_interpreted(fn: JITFunction) -> InterpretedFunction:
 def install(archs: list[int], log: str | None = None) -> None:
     if knobs.runtime.interpret:
         raise RuntimeError("tests/gpu_compile.py needs TRITON_INTERPRET unset: the kernels must be compilable")
+    if set(archs) - set(MAX_SHARED):
+        raise ValueError(f"CSD_COMPILE_FOR: architectures out of {sorted(MAX_SHARED)}, got {archs}")
     targets = _Targets()
     driver.set_active(targets)
     knobs.runtime.interpret = False  # kernels decorated from here on are JITFunctions too
@@ -69,7 +71,7 @@ def install(archs: list[int], log: str | None = None) -> None:
         targets.arch = arch
         kernel = JITFunction._compile_only(fn, *args, grid=grid, warmup=True, **kwargs)
         shared = kernel.metadata.shared
-        if shared > MAX_SHARED.get(arch, 99 * 1024):
+        if shared > MAX_SHARED[arch]:
             raise RuntimeError(f"{fn.fn.__name__} needs {shared} bytes of shared memory, more than sm_{arch} has")
         if log:
             with open(log, "a") as f:

@@ -111,7 +111,7 @@ def test_a_learned_position_table_bounds_max_seq_len():
     """GPT-2 learns embeddings for n_positions positions and fails past them: the engine bounds
     max_seq_len by the table less the drafts' headroom (refused by name above it, the largest
     that fits when not given), and speculation then runs exactly to the end, where its drafts
-    go past max_seq_len (before: an index error in the drafts' verification)."""
+    go past max_seq_len into positions the table must still hold."""
     from csd_engine import Autoregressive, Cascade, Speculative, Staged
     from csd_engine.scheduler import HEADROOM
     from tests.tiny_models import perturbed, tiny_gpt2

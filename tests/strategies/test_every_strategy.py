@@ -102,7 +102,7 @@ def test_seeded_request_same_alone_in_batches_and_again(models, name):
     greedy_alone = engine.generate([others[0]], other_params[0], strategy=strategy)[0].token_ids
     assert batch_a[0].token_ids == greedy_alone
     # Cascade.auto(tree=...): this request's rows want no tree where the short neighbour's do, so
-    # beside it the step is verified as a tree (before: other random draws than its chain alone)
+    # beside it the step is verified as a tree, whose walk must draw what its chain alone draws
     longer, seeded = repetitive_prompt(5, 20), SamplingParams(temperature=1.0, seed=1, max_new_tokens=12)
     alone = engine.generate([longer], seeded, strategy=strategy)[0].token_ids
     beside = engine.generate([longer, repetitive_prompt(9, 4)], [seeded, SamplingParams(max_new_tokens=28)],

@@ -70,8 +70,8 @@ def test_greedy_tokens_on_the_kernel_path_equal_plain_decoding(target, name, mon
 def test_a_greedy_request_outlives_a_sampled_neighbour_on_the_kernel_path(target, name, monkeypatch):
     """A top-k request leaves before a greedy one: from then on every occupied row is greedy and
     the verification kernel is told so (all_greedy), drawing nothing for any row, so the freed row
-    must be greedy again too. Before, its next token was read from never-written candidates and a
-    drafter embedded that garbage id (an index error here, a device-side assert on a GPU)."""
+    must be greedy again too: otherwise its next token is read from never-written candidates and
+    a drafter embeds that garbage id (an index error here, a device-side assert on a GPU)."""
     strategy = Speculative(k=3) if name == "speculative-model" else STRATEGIES[name][1]
     drafters = [perturbed(target, 0.05, seed=4)] + (["mag"] if name == "cascade" else [])
     prompts = [PROMPTS[0], [56]]
