@@ -215,7 +215,33 @@ class Scheduler:
     def add(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request (text or token ids); returns its id. Raises ValueError for a bad
         prompt or parameters and QueueFull when `max_waiting` requests already wait."""
+        return self.add_all([(prompt, params, request_id)])[0]
+
+    def add_all(self, requests: list[tuple]) -> list[str]:
+        """Queue several (prompt, params, request_id) requests, all or none (a response's n
+        choices, say): every one is checked, and QueueFull is raised unless the queue has room
+        for all. ValueError if they are more than this scheduler ever holds at once."""
         self._check_open()
+        built, taken = [], set(self.requests)
+        for prompt, params, request_id in requests:
+            built.append(self._request(prompt, params, request_id, taken))
+            taken.add(built[-1].id)
+        if self.max_waiting is not None:
+            free = sum(r is None for r in self.slots)
+            if len(built) > len(self.slots) + self.max_waiting:
+                raise ValueError(f"{len(built)} requests at once are more than this scheduler ever holds: "
+                                 f"{len(self.slots)} rows and max_waiting={self.max_waiting}")
+            if len(self.waiting) + len(built) - free > self.max_waiting:
+                raise QueueFull(f"{max(len(self.waiting) - free, 0)} requests wait for a free row "
+                                f"(max_waiting={self.max_waiting})" + (f", no room for {len(built)} more"
+                                                                       if len(built) > 1 else "") + ": retry later")
+        for request in built:
+            self.requests[request.id] = request
+            self.waiting.append(request)
+        return [request.id for request in built]
+
+    def _request(self, prompt, params: SamplingParams | None, request_id: str | None, taken: set) -> Request:
+        """A checked Request (not queued) whose id is not in `taken`."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -226,24 +252,17 @@ class Scheduler:
             raise ValueError(f"stop_token_ids {list(params.stop_token_ids)} has ids outside the vocabulary "
                              f"[0, {vocab})")
         ids = self.engine._encode_prompt(prompt)
-        free = 0 if self.max_waiting is None else sum(r is None for r in self.slots)
-        if self.max_waiting is not None and len(self.waiting) - free >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting) - free} requests wait for a free row (max_waiting={self.max_waiting}): "
-                            "retry later")
         if request_id is None:
             request_id = str(next(self._ids))
-            while request_id in self.requests:
+            while request_id in taken:
                 request_id = str(next(self._ids))
-        elif request_id in self.requests:
+        elif request_id in taken:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine = self.engine
         text = None if engine.tokenizer is None else IncrementalText(engine.tokenizer, params.stop or ())
-        request = Request(request_id, ids, params, set(params.stop_token_ids or ()) | engine._eos(params),
-                          min(params.max_new_tokens, engine.max_seq_len - len(ids)), time.perf_counter(), text,
-                          logprobs=[] if params.logprobs else None, forwards=[0] * (1 + len(engine.drafters)))
-        self.requests[request_id] = request
-        self.waiting.append(request)
-        return request_id
+        return Request(request_id, ids, params, set(params.stop_token_ids or ()) | engine._eos(params),
+                       min(params.max_new_tokens, engine.max_seq_len - len(ids)), time.perf_counter(), text,
+                       logprobs=[] if params.logprobs else None, forwards=[0] * (1 + len(engine.drafters)))
 
     def abort(self, request_id: str) -> bool:
         """End a request at the next step (its slot is freed then); False if it is unknown or done."""

@@ -6,7 +6,10 @@
 
 Thread-safety contract:
 * The engine thread is the only thread that touches the Scheduler, and so the engine's caches
-  and models. `call` runs other work there between two steps (the server tokenizes that way).
+  and models. `call` runs other work there between two steps.
+* Prompts are tokenized (`encode`, `tokenize`) on a thread of their own: a tokenizer's encode
+  only reads it and releases the GIL, so a long prompt does not hold up the running requests'
+  steps.
 * Callers talk to it through a command queue (add, abort, call, close): every public method is
   safe from any thread, the async ones from any event loop. Increments go back to the loop that
   submitted the request (`loop.call_soon_threadsafe`), in step order.
@@ -14,6 +17,8 @@ Thread-safety contract:
   aborts its request: the row is freed at the next step.
 """
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -39,6 +44,37 @@ def _resolve(future: asyncio.Future, value=None, error: BaseException | None = N
         future.set_result(value)
 
 
+class RequestStream:
+    """One submitted request's increments, an async iterator that ends after the finished one.
+    `aclose()`, or the stream's garbage collection, aborts the request if it is unfinished,
+    whether or not it was ever iterated."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, outputs: asyncio.Queue):
+        self.request_id, self._engine, self._outputs, self._finished = request_id, engine, outputs, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        out = await self._outputs.get()
+        if isinstance(out, BaseException):
+            self._finished = True  # the engine stopped or the request failed: nothing follows
+            raise out
+        self._finished = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._abort(self.request_id, self._outputs)
+
+    def __del__(self):
+        if not self._finished:  # SimpleQueue.put is safe here (reentrant); a stopped engine ignores it
+            self._engine._commands.put(("abort", self.request_id, self._outputs))
+
+
 class AsyncEngine:
     """Owns one Scheduler of `engine` (`rows` slots) and the thread that steps it while requests
     are unfinished. `max_waiting`: how many requests may wait for a row (None: no limit); one
@@ -59,6 +95,9 @@ class AsyncEngine:
         self._prompt_tokens: dict[str, int] = {}  # request id -> prompt length; engine thread only
         self._totals = {"finished": {}, "prompt_tokens": 0, "generation_tokens": 0, "drafts": 0,
                         "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
+        if engine.tokenizer is not None:  # a tokenizer may set itself up on its first call: not beside a decode
+            engine.tokenizer("")
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="csd-tokenize")
         self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
         self._thread.start()
 
@@ -67,22 +106,30 @@ class AsyncEngine:
         """Submit a request (text or token ids) and yield its increments as steps commit them; the
         last one has `finished` set. The first iteration raises the submission's error: ValueError
         / TypeError for a bad prompt or params, QueueFull, EngineStopped."""
-        loop = asyncio.get_running_loop()
-        request_id = uuid.uuid4().hex if request_id is None else request_id
-        accepted, outputs = loop.create_future(), asyncio.Queue()
-        self._send(("add", prompt, params, request_id, loop, accepted, outputs))
-        finished = False
-        try:
-            await accepted  # cancelled before it was accepted: _accepted aborts the request
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+        [stream] = await self.submit([(prompt, params)], None if request_id is None else [request_id])
+        async with contextlib.aclosing(stream):
+            async for out in stream:
                 yield out
-        finally:
-            if not finished:  # this stream's request only: its id may name a newer request by now
-                self._abort(request_id, outputs)
+
+    async def submit(self, requests: list[tuple], request_ids: list[str] | None = None) -> list[RequestStream]:
+        """Submit several (prompt, params) requests at once, all or none (Scheduler.add_all: a
+        response's n choices are queued together or refused together), and return a stream of
+        increments for each (RequestStream). Raises as `generate`'s first iteration does."""
+        loop = asyncio.get_running_loop()
+        request_ids = [uuid.uuid4().hex for _ in requests] if request_ids is None else list(request_ids)
+        if len(request_ids) != len(requests):
+            raise ValueError(f"request_ids must be None or one per request ({len(requests)}), got {len(request_ids)}")
+        queues = [asyncio.Queue() for _ in requests]
+        accepted = loop.create_future()
+        self._send(("add", list(requests), request_ids, loop, accepted, queues))
+        try:
+            await accepted  # cancelled before they were accepted: _accepted aborts them
+        except asyncio.CancelledError:
+            if accepted.done() and not accepted.cancelled():  # accepted, then cancelled before resuming
+                for request_id, outputs in zip(request_ids, queues):
+                    self._abort(request_id, outputs)
+            raise
+        return [RequestStream(self, i, q) for i, q in zip(request_ids, queues)]
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step (a no-op for an unknown or finished one)."""
@@ -103,10 +150,18 @@ class AsyncEngine:
         self._send(("call", fn, loop, done))
         return await done
 
+    async def tokenize(self, fn):
+        """fn() run on the tokenizing thread (one prompt at a time, beside the engine's steps)."""
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)
+        except RuntimeError:  # closed
+            raise EngineStopped(self._stopped or "the engine was closed") from None
+        return await work
+
     async def encode(self, prompt) -> list[int]:
         """The prompt's token ids, checked as `add` checks them (ValueError naming the problem:
         empty, too long for max_seq_len, ids outside the vocabulary, no tokenizer for text)."""
-        return await self.call(lambda: self.engine._encode_prompt(prompt))
+        return await self.tokenize(lambda: self.engine._encode_prompt(prompt))
 
     def stats(self) -> dict:
         """Requests waiting for a row and running (as of the last step), rows, max_waiting, and
@@ -167,10 +222,11 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if command[0] == "add":
-                self._post(command[4], _resolve, command[5], None, stopped)
+                self._post(command[3], _resolve, command[4], None, stopped)
             elif command[0] == "call":
                 self._post(command[2], _resolve, command[3], None, stopped)
         self._stats = {"waiting": 0, "running": 0}
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self._scheduler.close()
 
     def _handle_commands(self, block: bool) -> bool:
@@ -197,22 +253,25 @@ class AsyncEngine:
                 except BaseException as exc:  # CancelledError or SystemExit too: the caller's, not the thread's
                     self._post(loop, _resolve, done, None, exc)
 
-    def _add(self, prompt, params, request_id, loop, accepted, outputs) -> None:
+    def _add(self, requests, request_ids, loop, accepted, queues) -> None:
         scheduler = self._scheduler
-        try:
-            scheduler.add(prompt, params, request_id)  # QueueFull past max_waiting requests beyond the free rows
+        try:  # QueueFull unless there is room for all of them
+            scheduler.add_all([(prompt, params, i) for (prompt, params), i in zip(requests, request_ids)])
         except Exception as exc:  # ValueError, TypeError, QueueFull: the caller's to handle
             self._post(loop, _resolve, accepted, None, exc)
             return
-        self._streams[request_id] = (loop, outputs)
-        self._prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
-        if not self._post(loop, self._accepted, accepted, request_id, outputs):
-            scheduler.abort(request_id)
+        for request_id, outputs in zip(request_ids, queues):
+            self._streams[request_id] = (loop, outputs)
+            self._prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
+        if not self._post(loop, self._accepted, accepted, request_ids, queues):
+            for request_id in request_ids:
+                scheduler.abort(request_id)
 
-    def _accepted(self, accepted: asyncio.Future, request_id: str, outputs: asyncio.Queue) -> None:
-        """On the caller's loop: the request is queued; a caller cancelled meanwhile aborts it."""
+    def _accepted(self, accepted: asyncio.Future, request_ids: list[str], queues: list[asyncio.Queue]) -> None:
+        """On the caller's loop: the requests are queued; a caller cancelled meanwhile aborts them."""
         if accepted.cancelled():
-            self._abort(request_id, outputs)
+            for request_id, outputs in zip(request_ids, queues):
+                self._abort(request_id, outputs)
         else:
             accepted.set_result(None)
 

@@ -6,14 +6,19 @@
 
 Request fields are OpenAI's; extensions: `top_k`, `ignore_eos`, `stop_token_ids`. Each choice
 (and each streamed chunk) carries `token_ids`, the tokens its text came from. `logprobs` returns
-the chosen tokens' log-probabilities only, no alternatives. Fields of OpenAI's API that this
-server does not implement are accepted at their neutral value only (presence_penalty 0, echo
-false...); any other field is refused, so a misspelt one is not silently ignored.
+the chosen tokens' log-probabilities only, no alternatives, under the distribution the target
+sampled from (tempered and filtered; the raw model's for greedy rows), where vLLM returns the
+raw model's. Fields of OpenAI's API that this server does not implement are accepted at their
+neutral value only (presence_penalty 0, echo false...); any other field is refused, so a
+misspelt one is not silently ignored. A `developer` message is a system message for templates
+that do not know the role. A response's completions (n per prompt) are queued all or none.
 
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}, with a message
-naming the field: 400 bad request, 404 unknown model, 429 queue full, 500 a request that failed
-(non-finite logits: that request alone; the server goes on), 503 once the engine has stopped.
-A client that disconnects aborts its requests (their rows are freed at the next step).
+naming the field: 400 bad request (also more completions than rows + max_waiting), 404 unknown
+model or path, 429 queue full, 500 a request that failed (non-finite logits: that request alone;
+the server goes on), 503 once the engine has stopped. A client that disconnects aborts its
+requests (their rows are freed at the next step). Prompts are tokenized beside the engine's
+steps (AsyncEngine.tokenize), so a long one does not stall the others' streams.
 """
 import asyncio
 import contextlib
@@ -25,6 +30,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -43,7 +49,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 # OpenAI fields not implemented, accepted at the value that means "off" (and of its type: echo 0 is refused)
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "suffix": "",
            "best_of": 1}
-ROLES = ("system", "user", "assistant")  # chat roles (no tools, so no "tool" messages)
+ROLES = ("system", "developer", "user", "assistant")  # chat roles (no tools, so no "tool" messages)
 # vLLM's bucket bounds, with finer ones below 10 ms for small models
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -184,7 +190,8 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
 
 
 def chat_messages(body: Body) -> list[dict]:
-    """`messages` as the chat template takes them: role and text content (text parts joined)."""
+    """`messages` as the chat template takes them: role and text content. Text parts are joined
+    by newlines (as vLLM joins them); only an assistant's content may be null or left out."""
     messages = body.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, "
@@ -200,11 +207,14 @@ def chat_messages(body: Body) -> list[dict]:
             raise _bad("messages", f"{where}.{extra[0]} is not supported: a message has a role and a content only")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise _bad("messages", f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                       f"are supported, got {_show(content)}")
-            content = "".join(p["text"] for p in content)
+            if not content or not all(isinstance(p, dict) and p.get("type") == "text"
+                                      and isinstance(p.get("text"), str) for p in content):
+                raise _bad("messages", f"{where}.content: a list must hold text parts ({{\"type\": \"text\", "
+                                       f"\"text\": ...}}), at least one, got {_show(content)}")
+            content = "\n".join(p["text"] for p in content)
+        elif content is None and message["role"] != "assistant":
+            raise _bad("messages", f"{where}.content is required in a {message['role']} message (a string or a "
+                                   "list of text parts)")
         elif content is not None and not isinstance(content, str):
             raise _bad("messages", f"{where}.content must be a string or a list of text parts, got {_show(content)}")
         if content and not _is_unicode(content):
@@ -323,21 +333,23 @@ class _Server:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise _bad("messages", f"model {self.name!r} has no chat template: use /v1/completions")
 
+        if "developer" not in str(tokenizer.chat_template):  # OpenAI's newer name for system, unknown to most templates
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
         def render():
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"]
         try:
-            ids = await self.engine.call(render)
+            ids = await self.engine.tokenize(render)
         except Exception as exc:  # the template's own refusals (jinja's raise_exception, say)
             raise _bad("messages", f"the chat template refused the messages: {exc}") from None
         return await self.encode(list(ids), "messages")
 
-    async def track(self, ids: list[int], params: SamplingParams):
-        """One engine request's increments, timed for the latency histograms."""
-        start = last = time.perf_counter()
-        first = True
-        async with contextlib.aclosing(self.engine.generate(ids, params)) as outputs:
-            async for out in outputs:
+    async def track(self, stream, start: float):
+        """One engine request's increments, timed from `start` for the latency histograms."""
+        last, first = start, True
+        async with contextlib.aclosing(stream):
+            async for out in stream:
                 now = time.perf_counter()
                 if out.token_ids:
                     (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
@@ -346,11 +358,20 @@ class _Server:
                     self.metrics.e2e.observe(now - start)
                 yield out
 
-    async def start(self, prompts: list[list[int]], params: list[SamplingParams]):
-        """Submit every (prompt, choice) pair at once and wait for each one's first increment, so
-        that a refusal (429) or a failure in the first step (500) is the whole response's status.
-        Returns the streams and their first increments; on an error every stream is aborted."""
-        streams = [self.track(ids, p) for ids in prompts for p in params]
+    async def start(self, prompts: list[list[int]], params: list[SamplingParams], param: str):
+        """Submit every (prompt, choice) pair at once, all or none, and wait for each one's first
+        increment, so that a refusal (429) or a failure in the first step (500) is the whole
+        response's status. Returns the streams and their first increments; on an error every
+        stream is aborted. `param`: the field a response too large for the server is blamed on."""
+        requests = [(ids, p) for ids in prompts for p in params]
+        limit = self.engine.rows + self.engine.max_waiting if self.engine.max_waiting is not None else None
+        if limit is not None and len(requests) > limit:
+            raise _bad(param, f"{param}: {len(prompts)} prompt(s) x n={len(params)} are {len(requests)} completions "
+                              f"at once, more than this server holds ({limit}: {self.engine.rows} rows and "
+                              f"max_waiting={self.engine.max_waiting})")
+        begin = time.perf_counter()
+        submitted = await self.engine.submit(requests)
+        streams = [self.track(s, begin) for s in submitted]
         tasks = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -366,8 +387,8 @@ class _Server:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for stream in streams:
-                await stream.aclose()  # aborts the requests that got a row
+            for stream in submitted:
+                await stream.aclose()  # aborts its request
             raise
 
     # -- responses -------------------------------------------------------------------------------
@@ -397,10 +418,10 @@ class _Server:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     async def respond(self, chat: bool, prompts, params, logprobs: bool, stream: bool, include_usage: bool):
-        streams, firsts = await self.start(prompts, params)
+        streams, firsts = await self.start(prompts, params, "n" if len(params) > 1 or chat else "prompt")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.name}
+                "created": int(time.time()), "model": self.name, "system_fingerprint": None}
         if stream:
             events = self.events(chat, head, streams, firsts, prompts, logprobs, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -430,6 +451,8 @@ class _Server:
     async def events(self, chat, head, streams, firsts, prompts, logprobs, include_usage):
         """The server-sent events of a streamed response: one chunk per increment."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        if include_usage:  # OpenAI's chunks then carry usage, null until the last one
+            head["usage"] = None
         offsets = [TextOffsets() for _ in streams]  # per choice: its text so far (completions' text_offset)
         completion_tokens = 0
         async with contextlib.aclosing(_merge(streams, firsts)) as merged:
@@ -445,7 +468,7 @@ class _Server:
                           "token_ids": out.token_ids}
                 with_logprobs = logprobs and out.logprobs
                 if chat:
-                    choice["delta"] = {"content": out.text or ""}
+                    choice["delta"] = {"content": out.text} if out.text else {}
                     if out is firsts[index]:
                         choice["delta"] = {"role": "assistant", **choice["delta"]}
                     choice["logprobs"] = self.chat_logprobs(out) if with_logprobs else None
@@ -514,7 +537,7 @@ async def _json_body(request: Request):
     raw = await request.body()
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
         raise _bad(None, f"the request body is not valid JSON ({exc})") from None
     except RecursionError:
         raise _bad(None, "the request body is nested too deeply") from None
@@ -552,7 +575,14 @@ def build_app(async_engine, model_name: str) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        return JSONResponse(_as_api_error(exc).body(), status_code=500)
+        error = _as_api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path (404), method (405)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     kind=kind).body(), status_code=exc.status_code, headers=exc.headers)
 
     async def generate(raw, chat: bool):
         try:

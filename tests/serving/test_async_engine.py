@@ -3,6 +3,7 @@ rows is not refused while a full queue is, and a consumer that stops reading fre
 import asyncio
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -72,6 +73,29 @@ def test_queue_limit_counts_only_requests_without_a_free_row(engine):
         assert first[0] == second[0] and len(first[0]) == 40
         assert isinstance(third, QueueFull) and "max_waiting=1" in str(third)
         assert async_engine.stats()["finished"] == {"length": 2}
+    finally:
+        async_engine.close()
+
+
+def test_requests_submitted_together_are_queued_all_or_none(engine):
+    """rows=1, max_waiting=1, the row busy: two requests submitted together are refused together
+    (QueueFull) and leave nothing behind, one alone waits; a submitted stream closed before it
+    was ever read aborts its request. Tokenizing runs beside the engine thread, not on it."""
+    async_engine = AsyncEngine(engine, rows=1, max_waiting=1)
+    try:
+        async def main():
+            [running] = await async_engine.submit([([1, 2, 3], SamplingParams(max_new_tokens=40))])
+            first = await anext(running)
+            with pytest.raises(QueueFull, match="no room for 2 more"):
+                await async_engine.submit([([4], SamplingParams(max_new_tokens=2))] * 2)
+            [waiting] = await async_engine.submit([([4], SamplingParams(max_new_tokens=2))])
+            await waiting.aclose()  # never read: aborted all the same
+            tokens = first.token_ids + [t for out in [out async for out in running] for t in out.token_ids]
+            tokenizer_thread = await async_engine.tokenize(threading.current_thread)
+            return tokens, tokenizer_thread
+        tokens, tokenizer_thread = asyncio.run(main())
+        assert len(tokens) == 40 and tokenizer_thread not in (async_engine._thread, threading.current_thread())
+        assert async_engine.stats()["finished"] == {"length": 1, "abort": 1}
     finally:
         async_engine.close()
 

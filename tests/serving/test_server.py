@@ -150,11 +150,21 @@ def test_chat_completions_use_the_chat_template(server, offline, tokenizer):
     chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}, logprobs=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
-    assert "".join(ch.choices[0].delta.content for ch in chunks if ch.choices) == expected.text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
     tokens = sum((ch.choices[0].token_ids for ch in chunks if ch.choices), [])
     assert tokens == expected.token_ids
     assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices) == 20
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    # OpenAI's newer name for a system message, and content as text parts (joined by newlines)
+    renamed = [{"role": "developer", "content": "Be brief."},
+               {"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a cache."}]}]
+    ids = list(tokenizer.apply_chat_template([messages[0], {"role": "user", "content": "Name\na cache."}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    [expected] = offline([ids], SamplingParams(max_new_tokens=20))
+    done = c.chat.completions.create(model="tiny", messages=renamed, max_tokens=20, temperature=0)
+    assert done.choices[0].token_ids == expected.token_ids and done.usage.prompt_tokens == len(ids)
 
 
 def test_32_concurrent_streams_each_equal_offline(server, offline):
@@ -211,6 +221,10 @@ BAD = [  # (endpoint, body, status, the field named)
     ("completions", {"prompt": "x", "top_k": 1.5}, 400, "top_k"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    # more completions at once than 8 rows and max_waiting=64 hold: refused before any is queued
+    ("completions", {"prompt": "x", "n": 73}, 400, "n"),
+    ("completions", {"prompt": ["x"] * 73}, 400, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 73}, 400, "n"),
     ("completions", {"prompt": "x", "seed": -1}, 400, "seed"),
     # values the engine could not hold (int64 seeds, int32 top_k) or compute with (logits / 1e-40 overflow)
     ("completions", {"prompt": "x", "temperature": 1, "seed": 2 ** 63}, 400, "seed"),
@@ -241,6 +255,9 @@ BAD = [  # (endpoint, body, status, the field named)
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),  # only an assistant's may be null
+    ("chat/completions", {"messages": [{"role": "system", "content": None}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
@@ -262,9 +279,13 @@ def test_bad_requests_get_their_status_and_name_the_field(server):
             error = response.json()["error"]
             assert (response.status_code, error["param"]) == (status, field), (body, error)
             assert field in error["message"] and error["type"] == "invalid_request_error", (body, error)
-        for raw, words in (("nope", "not valid JSON"), ("[1]", "JSON object"), ("[" * 100000, "nested too deeply")):
+        for raw, words in (("nope", "not valid JSON"), ("[1]", "JSON object"), ("[" * 100000, "nested too deeply"),
+                           ('{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}", "not valid JSON")):
             response = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert response.status_code == 400 and words in response.json()["error"]["message"]
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+            response = http.request(method, path)
+            assert response.status_code == status and path in response.json()["error"]["message"]
         assert "max_seq_len=96" in http.post("/v1/completions", json={"prompt": "x" * MAX_SEQ_LEN}).text
         models = http.get("/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
@@ -337,7 +358,8 @@ def test_metrics_count_what_was_served(server, offline):
 def test_a_client_that_goes_away_frees_the_row(folders, tmp_path):
     """One row and no queue: while a long stream runs, another request is refused (429). A client
     that closes its stream, or stops waiting for a non-streamed reply, aborts its request, and the
-    next request is served at once; so does a request of n=2 refused for its second choice."""
+    next request is served at once. A request of n=2 can never fit one row and no queue: 400,
+    and nothing of it ran."""
     server = Server(tmp_path, "--target", folders[0], "--max-batch-size", "1", "--max-waiting", "0",
                     max_seq_len=4096)
     long = {"prompt": "abc", "max_tokens": 4000, "temperature": 0}
@@ -360,10 +382,10 @@ def test_a_client_that_goes_away_frees_the_row(folders, tmp_path):
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json=long, timeout=0.5)
             served_soon(http)
-            assert http.post("/v1/completions", json={**long, "n": 2}).status_code == 429
-            served_soon(http)
+            refused = http.post("/v1/completions", json={**long, "n": 2})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
             counters = scrape(server.url)
-            assert counters[("vllm:request_success_total", frozenset({("finished_reason", "abort")}))] == 3
+            assert counters[("vllm:request_success_total", frozenset({("finished_reason", "abort")}))] == 2
             assert counters[("vllm:generation_tokens_total", frozenset())] < 4000
     finally:
         server.close()

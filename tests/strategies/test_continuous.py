@@ -293,6 +293,11 @@ def test_full_queue_and_bad_requests_are_refused_clearly(models):
             scheduler.add([1, 200])
         with pytest.raises(TypeError, match="params must be a SamplingParams"):
             scheduler.add([1], {"temperature": 1})
+        with pytest.raises(ValueError, match="3 requests at once are more than this scheduler ever holds: 1 rows"):
+            scheduler.add_all([([5], None, None)] * 3)
+        with pytest.raises(ValueError, match="request id 'a' is already in use"):
+            scheduler.add_all([([5], None, "a"), ([6], None, "a")])
+        assert len(scheduler.waiting) == 2 and len(scheduler.requests) == 2  # a refused group left nothing
         scheduler.step()  # the queued request runs: nothing a refusal touched leaked into it
         with pytest.raises(ValueError, match="stop must be a non-empty string"):
             SamplingParams(stop=[""])
