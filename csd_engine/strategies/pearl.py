@@ -56,7 +56,8 @@ import torch
 
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
-                                        check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens)
+                                        check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens,
+                                        one_hot)
 from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
 
 
@@ -159,13 +160,15 @@ class PearlDecoder(Decoder):
         try:
             target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
             logits = forward_tokens(self.target, state, target_ids)
-        except BaseException:
-            wait([job])  # the drafter writes its cache: nothing may go on running after a failed step
-            raise
-        new, new_q = self._join(job, state.metrics, time.perf_counter())
+            new, new_q = self._join(job, state.metrics, time.perf_counter())
+        finally:  # the drafter writes its cache: nothing may go on running after a failed (or interrupted) step
+            wait([job])
 
         drafts = submitted_chain(post, any_post, self.carry, new)
-        q = None if new_q is None else submitted_chain(post, any_post, self.carry_q, new_q)
+        carry_q = self.carry_q
+        if new_q is not None and carry_q is None and any_post:  # carried from a round when every row was greedy
+            carry_q = one_hot(self.carry, new_q.shape[-1]).to(new_q.dtype)
+        q = None if new_q is None else submitted_chain(post, any_post, carry_q, new_q)
         # The last draft sits at the bonus position: a placeholder row stands for the target
         # output after it, and the bonus drawn from it is never emitted.
         logits = torch.cat([logits, logits[:, -1:]], 1)

@@ -10,7 +10,7 @@ import torch
 from csd_engine import Autoregressive, Cascade, Engine, SamplingParams, Speculative, Staged
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import ForwardBatch
-from csd_engine.strategies.pearl import Pearl
+from csd_engine.strategies.pearl import Pearl, PearlDecoder
 from tests.stats import assert_distribution, fresh_seed
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
 from tests.tiny_models import perturbed, random_prompts, tiny_llama
@@ -160,17 +160,20 @@ def test_same_seeds_give_the_same_tokens_despite_threads(models):
         assert_metrics_consistent(a, 3)
 
 
-def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch):
-    """A target forward that raises inside a PEARL round: the round's drafter job (on the
-    worker thread, writing the drafter's cache) ends before generate raises, so nothing runs on
-    the engine's caches afterwards, and the next generate is exact."""
+@pytest.mark.parametrize("where", ["target forward", "interrupt while joining"])
+def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch, where):
+    """A PEARL round that raises (its target forward fails, or Ctrl-C lands while the host waits
+    for the drafter): the round's drafter job (on the worker thread, writing the drafter's cache)
+    ends before generate raises, so nothing runs on the engine's caches afterwards, and the next
+    generate is exact."""
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], max_batch_size=2, max_seq_len=64, verify_backend="torch")
     prompts = random_prompts(2, lo=3, hi=9, seed=5)
     params = SamplingParams(max_new_tokens=12)
     plain = engine.generate(prompts, params, strategy=Autoregressive())
-    drafter_forward, target_forward = engine.drafters[0].forward, engine.target.forward
+    drafter_forward, target_forward, join = engine.drafters[0].forward, engine.target.forward, PearlDecoder._join
     finished, calls = [], []
+    error = RuntimeError("the target failed") if where == "target forward" else KeyboardInterrupt()
 
     def slow_drafter(batch):
         time.sleep(0.05)
@@ -181,12 +184,21 @@ def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch):
     def failing_target(batch):
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError("the target failed")
+            raise error
         return target_forward(batch)
 
+    def interrupted_join(self, job, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return join(self, job, *args)
+
     monkeypatch.setattr(engine.drafters[0], "forward", slow_drafter)
-    monkeypatch.setattr(engine.target, "forward", failing_target)
-    with pytest.raises(RuntimeError, match="the target failed"):
+    if where == "target forward":
+        monkeypatch.setattr(engine.target, "forward", failing_target)
+    else:
+        monkeypatch.setattr(PearlDecoder, "_join", interrupted_join)
+    with pytest.raises(type(error)):
         engine.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))
     raised = time.perf_counter()
     time.sleep(0.5)
@@ -194,6 +206,22 @@ def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch):
     monkeypatch.undo()
     assert [r.token_ids for r in engine.generate(prompts, params, strategy=Pearl(gamma=3, overlap=True))] == \
         [r.token_ids for r in plain]
+
+
+def test_a_sampled_request_joins_rows_that_carry_greedy_drafts(models):
+    """Two rows decode greedily (drafts carried over, their distributions not kept while every
+    row is greedy); a sampled request takes the row the short one frees: every request ends, the
+    greedy ones equal plain decoding and the sampled one its tokens alone."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[0]], max_batch_size=2, max_seq_len=96, verify_backend="torch")
+    prompts = random_prompts(3, lo=3, hi=9, seed=3)
+    params = [SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=40),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=1)]
+    strategy = Pearl(gamma=3, overlap=True)
+    got = engine.generate(prompts, params, strategy=strategy)
+    plain = engine.generate(prompts[:2], params[:2], strategy=Autoregressive())
+    assert [r.token_ids for r in got[:2]] == [r.token_ids for r in plain]
+    assert got[2].token_ids == engine.generate(prompts[2:], params[2:], strategy=strategy)[0].token_ids
 
 
 def test_bad_configurations_are_refused(models):
