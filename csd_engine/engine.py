@@ -18,6 +18,7 @@ to the device only in a step where a row joined or left. Exceptions, by design: 
 (transformers) runner crops each row's cache on the host; Pearl's worker thread joins on the
 host; kernel input checks read values only when asked (tests).
 """
+import numbers
 import os
 import threading
 
@@ -60,6 +61,11 @@ def _checked_device(device, name: str = "device") -> torch.device:
         raise ValueError(f"{name}={str(device)!r}, but torch sees no CUDA device here (torch.cuda.is_available() "
                          "is False): use 'cpu'")
     return device
+
+
+def _is_token(value) -> bool:
+    """A token id: a Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class Engine:
@@ -221,7 +227,9 @@ class Engine:
         return Scheduler(self, Autoregressive() if strategy is None else strategy, rows, max_waiting, prefill_chunk)
 
     def _encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if getattr(prompts, "ndim", None) in (1, 2):  # a NumPy array or torch tensor: one prompt, or one per row
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -237,8 +245,11 @@ class Engine:
             except UnicodeEncodeError as exc:
                 raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
             p = self.tokenizer(p, add_special_tokens=True)["input_ids"]
-        if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise ValueError(f"{name} must be a string or a list of token ids (ints)")
+        if getattr(p, "ndim", None) == 1:  # a NumPy array or torch tensor of token ids
+            p = p.tolist()
+        if not isinstance(p, (list, tuple)) or not all(_is_token(t) for t in p):
+            raise ValueError(f"{name} must be a string or a list of token ids (ints, also NumPy's; or a 1-D integer "
+                             "array or tensor)")
         p = [int(t) for t in p]
         if not p:
             raise ValueError(f"{name} is empty")

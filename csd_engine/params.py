@@ -7,9 +7,10 @@ MAX_TOP_K = 2 ** 31 - 1  # the engine keeps top_k as int32 (any top_k >= the voc
 MAX_SEED = 2 ** 63 - 1  # and seeds as int64
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy decoding. top_k 0 and top_p 1.0 switch those filters off.
+    """Frozen, so that it is always what its checks passed: `dataclasses.replace(params, ...)`
+    makes a changed copy (checked again). temperature 0 is greedy decoding. top_k 0 and top_p 1.0 switch those filters off.
     seed=None draws a fresh seed for every request (also when one params object serves many);
     the same request with the same seed gives the same tokens whatever else shares the batch.
     stop_token_ids end a request in addition to the model's end-of-sequence tokens (the
@@ -36,9 +37,9 @@ class SamplingParams:
             if self.max_new_tokens is not None and self.max_new_tokens != self.max_tokens:
                 raise ValueError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
                                  "disagree: give one of them")
-            self.max_new_tokens, self.max_tokens = self.max_tokens, None
+            self._set(max_new_tokens=self.max_tokens, max_tokens=None)
         if self.max_new_tokens is None:
-            self.max_new_tokens = 64
+            self._set(max_new_tokens=64)
         for name, kind, what in (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
                                  ("top_k", int, "an int"), ("max_new_tokens", int, "an int")):
             value = getattr(self, name)
@@ -60,16 +61,21 @@ class SamplingParams:
             ids = _token_ids(self.stop_token_ids)
             if ids is None:
                 raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
-            self.stop_token_ids = ids
+            self._set(stop_token_ids=ids)
         if isinstance(self.stop, str):
-            self.stop = (self.stop,)
+            self._set(stop=(self.stop,))
         if self.stop is not None:
-            self.stop = tuple(self.stop)
+            self._set(stop=tuple(self.stop))
             if not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _set(self, **values) -> None:
+        """Normalize fields while checking them (the instance is frozen afterwards)."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

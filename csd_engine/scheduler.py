@@ -26,6 +26,7 @@ callers through `csd_engine.serving.AsyncEngine`, which drives one from its own 
 import itertools
 import os
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -85,6 +86,13 @@ class GenerationResult:
     logprobs: list[float] | None = None  # per token, when asked (SamplingParams.logprobs)
     error: str | None = None  # why, when finish_reason == "error"
     failed_models: list[int] = field(default_factory=list)  # indexes into engine.models() with non-finite logits
+
+
+def _release_engine(engine) -> None:
+    """What a scheduler gives back when it closes: the caches (the engine's lock) and the flags."""
+    for runner in engine.models():  # a runner called outside a scheduler flags nothing
+        runner.nonfinite_rows = None
+    engine._busy.release()
 
 
 class QueueFull(RuntimeError):
@@ -180,7 +188,10 @@ class Scheduler:
                              f"k_matrix, mag_tokens, direct_tokens, tree, branching)")
         if not engine._busy.acquire(blocking=False):
             raise RuntimeError("the engine is busy: another generate or scheduler holds its caches (one at a "
-                               "time; serve concurrent callers through csd_engine.serving.AsyncEngine)")
+                               "time; a Scheduler or AsyncEngine holds them until its close(); serve concurrent "
+                               "callers through csd_engine.serving.AsyncEngine)")
+        # closed explicitly, or when garbage-collected: a dropped scheduler does not keep the engine busy
+        self._release = weakref.finalize(self, _release_engine, engine)
         self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, prefill_chunk
         self.closed = False
         try:
@@ -282,9 +293,7 @@ class Scheduler:
         """Give the engine's caches back (the scheduler cannot be used afterwards)."""
         if not self.closed:
             self.closed = True
-            for runner in self.engine.models():  # a runner called outside a scheduler flags nothing
-                runner.nonfinite_rows = None
-            self.engine._busy.release()
+            self._release()
 
     def __enter__(self):
         return self

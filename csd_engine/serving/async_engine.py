@@ -1,8 +1,8 @@
 """Many concurrent asyncio callers on one engine: a background thread drives its Scheduler.
 
-    async_engine = AsyncEngine(engine, Speculative(k=4), max_waiting=64)
-    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=32)):
-        print(out.text, end="")  # each RequestOutput: what one step added
+    with AsyncEngine(engine, Speculative(k=4), max_waiting=64) as async_engine:  # close() gives the engine back
+        async for out in async_engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text, end="")  # each RequestOutput: what one step added
 
 Thread-safety contract:
 * The engine thread is the only thread that touches the Scheduler, and so the engine's caches
@@ -186,6 +186,12 @@ class AsyncEngine:
         except EngineStopped:
             pass
         self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _send(self, command: tuple) -> None:
         with self._lock:

@@ -1,7 +1,9 @@
 """Autoregressive decoding: exact greedy equality with transformers, sampling by distribution,
 per-request seeds, stop handling, and errors that leave the engine usable."""
+import dataclasses
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -208,6 +210,27 @@ def test_seed_none_is_fresh_per_request_and_stops_add_to_eos():
     # dataclasses.replace passes every field again: the alias must not pin the old value
     assert [replace(SamplingParams(max_new_tokens=10), max_new_tokens=n).max_new_tokens for n in (64, 20)] == [64, 20]
     assert replace(SamplingParams(max_tokens=10), max_new_tokens=20).max_new_tokens == 20
+    # frozen: a field set afterwards would skip the checks and normalization (a stop string as its characters)
+    params = SamplingParams(stop="answer")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.stop = "answer"
+    with pytest.raises(ValueError, match="temperature must be"):
+        replace(params, temperature=-1)
+
+
+def test_token_id_prompts_may_be_numpy_or_torch():
+    """Token ids as NumPy ints, a 1-D array or tensor per prompt, or a 2-D one for a batch: the
+    same tokens as lists; float or bool ids are refused."""
+    engine = Engine(tiny_llama(seed=13), max_batch_size=2, max_seq_len=64, verify_backend="torch")
+    params = SamplingParams(max_new_tokens=4)
+    expected = [r.token_ids for r in engine.generate([[1, 2, 3], [4, 5, 6]], params)]
+    for prompts in ([np.array([1, 2, 3]), torch.tensor([4, 5, 6])], [[np.int64(1), 2, 3], (4, 5, 6)],
+                    np.array([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 2, 3], [4, 5, 6]])):
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    assert engine.generate(torch.tensor([1, 2, 3]), params)[0].token_ids == expected[0]
+    for bad in ([torch.tensor([1.0, 2.0])], [[True, 2]], [np.array([[1, 2]])]):
+        with pytest.raises(ValueError, match="prompt 0 must be a string or a list of token ids"):
+            engine.generate(bad, params)
 
 
 def test_each_request_has_its_own_wall_time_and_time_to_first_token():

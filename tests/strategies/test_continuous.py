@@ -11,6 +11,7 @@
 * clear refusals: a second user of a busy engine, a full queue; a request whose model output
   goes non-finite fails alone.
 """
+import gc
 import math
 
 import pytest
@@ -261,6 +262,12 @@ def test_a_busy_engine_refuses_a_second_user_and_recovers(models):
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.step()
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+    dropped = engine.scheduler()  # never closed: garbage collection gives the caches back
+    dropped.add([1, 2])
+    dropped.step()
+    del dropped
+    gc.collect()
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
 
 
