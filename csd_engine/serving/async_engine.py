@@ -95,7 +95,7 @@ class AsyncEngine:
         self._prompt_tokens: dict[str, int] = {}  # request id -> prompt length; engine thread only
         self._totals = {"finished": {}, "prompt_tokens": 0, "generation_tokens": 0, "drafts": 0,
                         "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
-        if engine.tokenizer is not None:  # a tokenizer may set itself up on its first call: not beside a decode
+        if callable(engine.tokenizer):  # a tokenizer may set itself up on its first call: not beside a decode
             engine.tokenizer("")
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="csd-tokenize")
         self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
