@@ -358,20 +358,20 @@ class _Server:
                     self.metrics.e2e.observe(now - start)
                 yield out
 
-    async def start(self, prompts: list[list[int]], params: list[SamplingParams], param: str):
+    async def start(self, prompts: list[list[int]], params: list[SamplingParams], param: str, arrival: float):
         """Submit every (prompt, choice) pair at once, all or none, and wait for each one's first
         increment, so that a refusal (429) or a failure in the first step (500) is the whole
         response's status. Returns the streams and their first increments; on an error every
-        stream is aborted. `param`: the field a response too large for the server is blamed on."""
+        stream is aborted. `param`: the field a response too large for the server is blamed on;
+        `arrival`: when the request came (perf_counter), where its latencies start."""
         requests = [(ids, p) for ids in prompts for p in params]
         limit = self.engine.rows + self.engine.max_waiting if self.engine.max_waiting is not None else None
         if limit is not None and len(requests) > limit:
             raise _bad(param, f"{param}: {len(prompts)} prompt(s) x n={len(params)} are {len(requests)} completions "
                               f"at once, more than this server holds ({limit}: {self.engine.rows} rows and "
                               f"max_waiting={self.engine.max_waiting})")
-        begin = time.perf_counter()
         submitted = await self.engine.submit(requests)
-        streams = [self.track(s, begin) for s in submitted]
+        streams = [self.track(s, arrival) for s in submitted]
         tasks = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -417,8 +417,9 @@ class _Server:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    async def respond(self, chat: bool, prompts, params, logprobs: bool, stream: bool, include_usage: bool):
-        streams, firsts = await self.start(prompts, params, "n" if len(params) > 1 or chat else "prompt")
+    async def respond(self, chat: bool, prompts, params, logprobs: bool, stream: bool, include_usage: bool,
+                      arrival: float):
+        streams, firsts = await self.start(prompts, params, "n" if len(params) > 1 or chat else "prompt", arrival)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.name, "system_fingerprint": None}
@@ -584,7 +585,7 @@ def build_app(async_engine, model_name: str) -> FastAPI:
         return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                      kind=kind).body(), status_code=exc.status_code, headers=exc.headers)
 
-    async def generate(raw, chat: bool):
+    async def generate(raw, chat: bool, arrival: float):
         try:
             body, params, logprobs = server.read(raw, chat)
             if chat:
@@ -595,17 +596,19 @@ def build_app(async_engine, model_name: str) -> FastAPI:
                            for i, p in enumerate(raw)]
             stream = body.boolean("stream")
             include_usage = stream and (body.body.get("stream_options") or {}).get("include_usage") is True
-            return await server.respond(chat, prompts, params, logprobs, stream, include_usage)
+            return await server.respond(chat, prompts, params, logprobs, stream, include_usage, arrival)
         except (QueueFull, EngineStopped, ValueError, TypeError) as exc:
             raise _as_api_error(exc) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _unless_disconnected(request, generate(await _json_body(request), chat=False))
+        arrival = time.perf_counter()
+        return await _unless_disconnected(request, generate(await _json_body(request), False, arrival))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _unless_disconnected(request, generate(await _json_body(request), chat=True))
+        arrival = time.perf_counter()
+        return await _unless_disconnected(request, generate(await _json_body(request), True, arrival))
 
     @app.get("/v1/models")
     async def models():
