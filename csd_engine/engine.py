@@ -136,14 +136,14 @@ class Engine:
         limits = []
         for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
                                 [self.target, *self.drafters]):
-            window, positions = getattr(runner, "attention_window", None), getattr(runner, "max_positions", None)
+            window, positions = getattr(runner, "attention_window", None), getattr(runner, "position_limit", None)
             if window is not None:
                 limits.append((window - HEADROOM, f"{name} attends over a sliding window of {window} tokens; "
                                                   f"csd_engine attends to the whole sequence, the same while it fits "
                                                   f"the window with {HEADROOM} slots for drafts"))
             if positions is not None:
-                limits.append((positions - HEADROOM, f"{name} has learned embeddings for {positions} positions, "
-                                                     f"which must hold the sequence and {HEADROOM} slots for drafts"))
+                limits.append((positions[0] - HEADROOM, f"{name} {positions[1]}, which must hold the sequence "
+                                                        f"and {HEADROOM} slots for drafts"))
         for limit, reason in limits:
             if limit < 2:
                 raise ValueError(f"{reason}: no max_seq_len (>= 2) fits")

@@ -54,7 +54,7 @@ class HFRunner(Runner):
         self.vocab_size = hf_model.config.vocab_size
         self.num_params = sum(p.numel() for p in hf_model.parameters())
         self.attention_window = attention_window(hf_model.config)
-        self.max_positions = position_limit(hf_model)
+        self.position_limit = position_limit(hf_model)
         self.caches: list[DynamicCache] = []
 
     def allocate(self, batch: int, capacity: int) -> None:
@@ -86,10 +86,18 @@ class HFRunner(Runner):
             extra = cache.get_seq_length() - keep
             if extra > 0:
                 cache.crop(-extra)
-            mask = torch.ones(1, 1, n, keep + n, dtype=torch.bool, device=self.device)
-            new_mask = batch.tree_mask[row] if batch.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-            mask[0, 0, :, keep:] = new_mask.to(self.device)
+            seen = torch.ones(n, keep + n, dtype=torch.bool, device=self.device)
+            seen[:, keep:] = batch.tree_mask[row] if batch.tree_mask is not None else \
+                torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             logits = self.model(input_ids=batch.input_ids[row:row + 1], position_ids=batch.positions[row:row + 1],
-                                attention_mask=mask, past_key_values=cache, use_cache=True).logits
+                                attention_mask=self._additive(seen), past_key_values=cache, use_cache=True).logits
             out.append(logits.float())
         return torch.cat(out) if batch.need_logits else None
+
+    def _additive(self, seen: torch.Tensor) -> torch.Tensor:
+        """[1, 1, n, keys] mask to add to the attention scores: 0 where a query sees a key, the
+        dtype's minimum elsewhere. Additive, not boolean: some architectures (MPT, XGLM...) read
+        a boolean mask as the keys to hide, or add it as 0 / 1, and decode wrongly with one."""
+        dtype = self.model.dtype
+        mask = torch.zeros(seen.shape, dtype=dtype, device=self.device).masked_fill_(~seen, torch.finfo(dtype).min)
+        return mask[None, None]

@@ -40,14 +40,14 @@ from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
 from csd_engine.models.quant import QuantizedLinear, linear, parse_scheme, quantize_weight
-from csd_engine.models.runner import ForwardBatch, Runner, attention_window
+from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def unsupported(cfg) -> str | None:
     """Why the native runner cannot run a model of a native type, or None: it computes a
-    SiLU-gated MLP without biases and rotary frequencies fixed at load."""
+    SiLU-gated MLP without biases, rotary frequencies fixed at load, from dense weights."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (its MLP is SiLU-gated)"
     if getattr(cfg, "mlp_bias", False):
@@ -55,6 +55,8 @@ def unsupported(cfg) -> str | None:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         return "rope_type 'dynamic' (its frequencies change with the sequence's length)"
+    if getattr(cfg, "quantization_config", None):
+        return "a quantized checkpoint (quantization_config: its layers hold scales the native runner does not read)"
     return None
 
 
@@ -131,7 +133,10 @@ class LlamaRunner(Runner):
         self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in hf_model.model.layers]
         self.quantize = quantize
         rotary = hf_model.model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
+        # the frequencies at load (transformers swaps `inv_freq` for LongRoPE's long factors while a
+        # forward runs past the original length); the sequence stays below it (position_limit)
+        self.inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq).detach().to(self.device, torch.float32)
+        self.position_limit = position_limit(hf_model)
         self.rope_scaling = float(rotary.attention_scaling)
 
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}

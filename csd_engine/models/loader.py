@@ -5,7 +5,8 @@ Hugging Face folder, a `.gguf` file (dequantized exactly as the zoo converts its
 id when a hub is reachable (`org/name`, or `org/name@revision` for a branch, tag or commit), an
 already-loaded `transformers` causal LM, or a `Runner`; a path may be a `pathlib.Path` or start
 with `~`. Llama-family models get the native runner, but for what it cannot compute
-(`llama.unsupported`: a non-SiLU MLP, dynamic RoPE); everything else the generic one. Without
+(`llama.unsupported`: a non-SiLU MLP, dynamic RoPE, a quantized checkpoint's layers);
+everything else the generic one. Without
 a network, a hub id loads from the local hub cache only. Each loaded runner carries
 `eos_token_ids`.
 

@@ -43,16 +43,33 @@ def attention_window(config) -> int | None:
     return window if layer_types is None or "sliding_attention" in layer_types else None
 
 
-def position_limit(model) -> int | None:
-    """How many positions a model's learned position table holds (GPT-2's `wpe`, OPT's
-    `embed_positions` less its offset), or None: positions without a table (RoPE, ALiBi), which
-    go on past the config's maximum. Past the table a forward fails (an index error)."""
+def position_limit(model) -> tuple[int, str] | None:
+    """How many positions a model computes as plain decoding does at any length, and why no
+    more; None where positions go on past the config's maximum (plain RoPE, ALiBi). A learned
+    position table (GPT-2's `wpe`, OPT's `embed_positions` less its offset): past it a forward
+    fails. RoPE whose frequencies transformers switches with a forward's largest position
+    (dynamic NTK past max_position_embeddings, LongRoPE past original_max_position_embeddings):
+    past it a wide forward (verification) rotates its tokens otherwise than one-token decoding."""
     inputs = model.get_input_embeddings()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, torch.nn.Embedding) and module is not inputs and (leaf == "wpe" or "position" in leaf):
-            return module.num_embeddings - getattr(module, "offset", 0)
-    return None
+            positions = module.num_embeddings - getattr(module, "offset", 0)
+            return positions, f"has learned embeddings for {positions} positions"
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    limits = []
+    for params in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        kind = params.get("rope_type", params.get("type")) or ""
+        if "dynamic" in kind:
+            limits.append((config.max_position_embeddings, f"rescales its rotary frequencies (rope_type {kind!r}) "
+                                                           f"past {config.max_position_embeddings} positions"))
+        elif kind == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or config.max_position_embeddings
+            limits.append((original, f"switches to its long rotary factors (rope_type 'longrope') past {original} "
+                                     "positions"))
+    return min(limits) if limits else None
 
 
 class Runner:
@@ -69,8 +86,8 @@ class Runner:
     eos_token_ids: tuple[int, ...] = ()
     # The model's sliding attention window (attention_window), None for full attention.
     attention_window: int | None = None
-    # The positions its learned position table holds (position_limit), None without a table.
-    max_positions: int | None = None
+    # (positions, why): how many positions it computes as plain decoding does (position_limit), or None.
+    position_limit: tuple[int, str] | None = None
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None

@@ -66,17 +66,16 @@ def _hf_greedy(model, prompt, n):
 
 
 def test_what_the_native_runner_cannot_compute_goes_to_the_generic_one_or_is_refused():
-    """A GELU MLP or dynamic RoPE on a native architecture: the generic runner, whose greedy
-    tokens are transformers' own (the native one silently diverged); native=True names why not."""
+    """A GELU MLP on a native architecture (dynamic RoPE: below): the generic runner, whose
+    greedy tokens are transformers' own (the native one silently diverged); native=True names
+    why not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from csd_engine.models.hf import HFRunner
     from tests.tiny_models import _finish
     base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=16)
-    for extra, words in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-                         (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-                          "rope_type 'dynamic'")):
+    for extra, words in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"),):
         model = _finish(LlamaForCausalLM(LlamaConfig(**base, **extra)), seed=4, scale=1.5)
         engine = Engine(model, max_batch_size=1, max_seq_len=48)
         assert isinstance(engine.target, HFRunner)
@@ -172,3 +171,92 @@ def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):
     monkeypatch.setattr(loader, "_hub_reachable", lambda: False)
     with pytest.raises(ValueError, match=r"'org/no-such-model' is not a model.*the hub is not reachable from here"):
         Engine("org/no-such-model")
+
+
+def _llama_with_rope(seed: int, **rope):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import _finish
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_theta": 10000.0, **rope})
+    return _finish(LlamaForCausalLM(config), seed=seed, scale=1.5)
+
+
+@pytest.mark.parametrize("rope", ["longrope", "dynamic"])
+def test_rope_that_changes_with_length_bounds_max_seq_len(rope):
+    """LongRoPE switches to its long factors, dynamic NTK rescales its frequencies, once a
+    forward reaches past a length (400 here): a verification forward there would rotate its
+    tokens otherwise than one-token decoding does, so max_seq_len stays below it (refused by
+    name above it, the largest that fits by default). Below it every strategy is plain
+    decoding and transformers' own greedy output; the native runner (LongRoPE) takes the
+    frequencies of the model as loaded, also after transformers ran it past the length."""
+    from csd_engine import Autoregressive, Speculative
+    from csd_engine.models.hf import HFRunner
+    from csd_engine.scheduler import HEADROOM
+
+    half = 8  # head_dim 16
+    if rope == "longrope":
+        model = _llama_with_rope(7, rope_type="longrope", original_max_position_embeddings=400,
+                                 short_factor=[1.0 + 0.1 * i for i in range(half)],
+                                 long_factor=[2.0 + 0.5 * i for i in range(half)])
+        words = "long rotary factors"
+    else:
+        model = _llama_with_rope(7, rope_type="dynamic", factor=4.0)
+        model.config.max_position_embeddings = 400
+        model.model.rotary_emb.max_seq_len_cached = model.model.rotary_emb.original_max_seq_len = 400
+        words = "rescales its rotary frequencies"
+    limit = 400 - HEADROOM
+    with pytest.raises(ValueError, match=rf"{words} .*past 400 positions.*max_seq_len must be at most {limit}"):
+        Engine(model, max_batch_size=1, max_seq_len=limit + 1)
+    engine = Engine(model, drafters=["mag"], max_batch_size=1)
+    assert engine.max_seq_len == limit
+    assert isinstance(engine.target, HFRunner if rope == "dynamic" else LlamaRunner)
+    if rope == "dynamic":
+        with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+            Engine(model, max_batch_size=1, native=True)
+    prompt = ([5, 9, 2, 7, 3] * 40)[:limit - 30]  # repetitive: MaG's drafts reach into the headroom
+    params = SamplingParams(max_new_tokens=40)
+    plain = engine.generate([prompt], params, strategy=Autoregressive())[0]
+    assert plain.token_ids == _hf_greedy(model, prompt, 30)
+    assert engine.generate([prompt], params, strategy=Speculative(k=8))[0].token_ids == plain.token_ids
+    with torch.no_grad():
+        model(torch.tensor([prompt * 2]))  # past 400: transformers now holds other frequencies
+    again = Engine(model, max_batch_size=1).generate([prompt], params, strategy=Autoregressive())[0]
+    assert again.token_ids == plain.token_ids
+
+
+def test_a_quantized_checkpoint_runs_on_the_generic_runner():
+    """A checkpoint with a quantization_config holds layers with scales (FP8, int8...) the
+    native runner would read as dense weights: it runs on transformers' own modules instead,
+    and native=True is refused by name."""
+    from csd_engine.models.hf import HFRunner
+
+    model = tiny_llama(seed=2)
+    model.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    runner, _ = load_runner(model, torch.device("cpu"), torch.float32)
+    assert isinstance(runner, HFRunner)
+    with pytest.raises(ValueError, match="quantized checkpoint"):
+        load_runner(model, torch.device("cpu"), torch.float32, native=True)
+
+
+def test_architectures_that_read_masks_otherwise_decode_exactly():
+    """XGLM adds a 4-D attention mask to its scores and MPT reads a boolean one as the keys to
+    hide: the generic runner passes an additive mask, so plain decoding is transformers' greedy
+    output and a speculative step (a many-token forward) gives the same tokens."""
+    from transformers import MptConfig, MptForCausalLM, XGLMConfig, XGLMForCausalLM
+
+    from csd_engine import Autoregressive, Speculative
+    from tests.tiny_models import _finish, perturbed
+
+    models = [_finish(XGLMForCausalLM(XGLMConfig(vocab_size=96, d_model=64, ffn_dim=128, num_layers=2,
+                                                 attention_heads=4, max_position_embeddings=512)), seed=3, scale=1.5),
+              _finish(MptForCausalLM(MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
+                      seed=4, scale=1.5)]
+    prompts = [[5, 9, 2, 7, 3, 11, 4], [1, 2, 3, 1, 2, 3, 1, 2]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for model in models:
+        engine = Engine(model, drafters=[perturbed(model, noise=0.1, seed=5)], max_batch_size=2, max_seq_len=96)
+        plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+        assert plain == [_hf_greedy(model, p, 20) for p in prompts], type(model).__name__
+        assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=4))] == plain
