@@ -56,6 +56,44 @@ class HFRunner(Runner):
         self.attention_window = attention_window(hf_model.config)
         self.position_limit = position_limit(hf_model)
         self.caches: list[DynamicCache] = []
+        self._check_forwards()
+
+    @torch.inference_mode()
+    def _check_forwards(self) -> None:
+        """Refuse, by name, a model that cannot run here exactly: a three-token forward (as a
+        verification runs it: a transformers cache, a 4-D additive mask, explicit positions) must
+        give the logits of three one-token forwards. Architectures without a KV cache, or that
+        read the mask otherwise, fail this instead of decoding wrongly."""
+        name = f"model_type {getattr(self.model.config, 'model_type', type(self.model).__name__)!r}"
+        ids = (torch.arange(1, 4, device=self.device) % self.vocab_size)[None]
+        try:
+            whole = self._forward_from(DynamicCache(config=self.model.config), ids, 0)
+            cache = DynamicCache(config=self.model.config)
+            steps = torch.cat([self._forward_from(cache, ids[:, i:i + 1], i) for i in range(3)], 1)
+        except Exception as exc:
+            raise ValueError(f"{name} cannot run on csd_engine's generic runner: a forward over a cached prefix "
+                             f"with a 4-D attention mask failed ({type(exc).__name__}: {exc})") from exc
+        scale = 1.0 + float(steps.abs().max())
+        error = float((whole - steps).abs().max())
+        if not error <= (1e-3 if self.model.dtype == torch.float32 else 3e-2) * scale:  # NaN fails too
+            raise ValueError(f"{name} cannot run on csd_engine's generic runner exactly: one three-token forward "
+                             f"gives other logits than three one-token forwards (by {error:.3g}), so its attention "
+                             "does not take the runner's 4-D mask as causal masking and a verification would not "
+                             "be plain decoding")
+
+    def _forward_from(self, cache: DynamicCache, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None,
+                      new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Float logits of one row's `ids` [1, n] after the `start` tokens `cache` holds, at
+        `positions` (default start..start+n-1); the new tokens see each other as `new_mask`
+        [n, n] says (a tree's), causally by default."""
+        n = ids.shape[1]
+        seen = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+        seen[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if new_mask is None \
+            else new_mask.to(self.device)
+        if positions is None:
+            positions = start + torch.arange(n, device=self.device)[None]
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=self._additive(seen),
+                          past_key_values=cache, use_cache=True).logits.float()
 
     def allocate(self, batch: int, capacity: int) -> None:
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
@@ -78,7 +116,6 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        n = batch.input_ids.shape[1]
         lengths = self.cache.lengths.tolist()
         out = []
         for row, cache in enumerate(self.caches):
@@ -86,12 +123,8 @@ class HFRunner(Runner):
             extra = cache.get_seq_length() - keep
             if extra > 0:
                 cache.crop(-extra)
-            seen = torch.ones(n, keep + n, dtype=torch.bool, device=self.device)
-            seen[:, keep:] = batch.tree_mask[row] if batch.tree_mask is not None else \
-                torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            logits = self.model(input_ids=batch.input_ids[row:row + 1], position_ids=batch.positions[row:row + 1],
-                                attention_mask=self._additive(seen), past_key_values=cache, use_cache=True).logits
-            out.append(logits.float())
+            tree = None if batch.tree_mask is None else batch.tree_mask[row]
+            out.append(self._forward_from(cache, batch.input_ids[row:row + 1], keep, batch.positions[row:row + 1], tree))
         return torch.cat(out) if batch.need_logits else None
 
     def _additive(self, seen: torch.Tensor) -> torch.Tensor:

@@ -254,9 +254,32 @@ def test_architectures_that_read_masks_otherwise_decode_exactly():
               _finish(MptForCausalLM(MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
                       seed=4, scale=1.5)]
     prompts = [[5, 9, 2, 7, 3, 11, 4], [1, 2, 3, 1, 2, 3, 1, 2]]
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     for model in models:
-        engine = Engine(model, drafters=[perturbed(model, noise=0.1, seed=5)], max_batch_size=2, max_seq_len=96)
+        engine = Engine(model, drafters=[perturbed(model, noise=0.1, seed=5)], max_batch_size=2, max_seq_len=96,
+                        verify_backend="torch")
         plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
-        assert plain == [_hf_greedy(model, p, 20) for p in prompts], type(model).__name__
+        assert plain == [_hf_greedy(model, p, 12) for p in prompts], type(model).__name__
         assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=4))] == plain
+
+
+def test_a_model_the_generic_runner_cannot_run_exactly_is_refused_at_load(monkeypatch):
+    """The generic runner checks at load that one three-token forward (cache, 4-D mask,
+    positions) gives three one-token forwards' logits: a state-space model (no KV cache) and an
+    ALiBi model that cannot take the mask are refused by name, and so is a model that reads the
+    mask otherwise (MPT with a boolean one), instead of decoding wrongly."""
+    from transformers import BloomConfig, BloomForCausalLM, MambaConfig, MambaForCausalLM, MptConfig, MptForCausalLM
+
+    from csd_engine.models.hf import HFRunner
+    from tests.tiny_models import _finish
+
+    for model in (MambaForCausalLM(MambaConfig(vocab_size=96, hidden_size=64, state_size=8, num_hidden_layers=2)),
+                  BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4))):
+        with pytest.raises(ValueError, match=rf"model_type '{model.config.model_type}' cannot run on csd_engine's "
+                                             "generic runner: a forward over a cached prefix"):
+            Engine(model, max_batch_size=1, max_seq_len=64)
+    mpt = _finish(MptForCausalLM(MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
+                  seed=4, scale=1.5)
+    monkeypatch.setattr(HFRunner, "_additive", lambda self, seen: seen[None, None])  # a boolean mask
+    with pytest.raises(ValueError, match="model_type 'mpt' cannot run on csd_engine's generic runner exactly"):
+        Engine(mpt, max_batch_size=1, max_seq_len=64)
