@@ -56,7 +56,10 @@ JSON_FLAGS = ("k_matrix", "tree", "branching")
 CLI_CASCADE_MAG_TOKENS = 4  # the CLI's cascade default since its first version (the class's is 10)
 
 
-def _json(text: str, flag: str, example: str = "'[[2,4],[0,4]]' or '[3,2]'"):
+JSON_EXAMPLES = {"k_matrix": "'[[2,4],[0,4]]'", "tree": "'[3,2]'", "branching": "'[4,2,1,1]'"}
+
+
+def _json(text: str, flag: str, example: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -116,7 +119,8 @@ def build_strategy(args):
         taken = ", ".join(map(_flag, STRATEGY_FLAGS[name])) or "none"
         raise ValueError(f"--strategy {name} does not take {', '.join(map(_flag, refused))} (its flags: {taken}); "
                          f"any option of any strategy: --strategy-config '{{\"{name}\": {{...}}}}'")
-    options = {dest: _json(getattr(args, dest), _flag(dest)) if dest in JSON_FLAGS else getattr(args, dest)
+    options = {dest: _json(getattr(args, dest), _flag(dest), JSON_EXAMPLES[dest]) if dest in JSON_FLAGS
+               else getattr(args, dest)
                for dest in given}
     if name == "cascade":
         if "k_matrix" not in options:
@@ -133,6 +137,10 @@ def _configure_logging(level: str) -> None:
     # The root handler is the application's to set; basicConfig leaves one already there alone.
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("csd_engine").setLevel(level.upper())
+    if level != "debug":  # transformers' loading progress bars and advice are noise on a command line
+        import transformers
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
 
 
 def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
@@ -153,8 +161,9 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tree", default=None, help="cascade: candidates per depth of a top-level tree, e.g. '[3,2]' "
                                                 "(Cascade.auto(): the tree each row may choose)")
     g.add_argument("--branching", default=None, help="staged: children per depth as JSON, e.g. '[4,2,1,1]'")
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
-    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the models' dtype (default float32; bfloat16 is faster on a CPU with AVX-512 BF16 and on GPUs)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where torch sees one, else cpu)")
     g.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="off",
                    help="on a GPU with native runners: 'forward' replays each forward from a CUDA graph, 'step' "
                         "each whole decoding step (not Pearl's concurrent rounds); ignored on a CPU (default off)")
@@ -162,7 +171,7 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
                    help="longest sequence a request may reach, prompt included (default 2048, or less where a "
                         "model's sliding window or position table ends first)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                   help="csd_engine's log messages on stderr (model builds, progress)")
+                   help="csd_engine's log messages on stderr (model builds, progress; default info)")
 
 
 def main(argv=None) -> int:
@@ -172,11 +181,12 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _model_and_strategy_flags(g)
     g.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable for a batch)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64; fewer where --max-seq-len ends first)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample within top-p probability mass (default 1: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one per prompt)")
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (instruct models)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -185,7 +195,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     _model_and_strategy_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="default 8000")
     s.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together (default 8)")
     s.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait for a row; one more is refused with 429 (default 64)")
@@ -199,10 +209,27 @@ def main(argv=None) -> int:
                    help="torch CPU threads (default torch's; 1 is fastest for tiny models on a busy machine)")
     args = parser.parse_args(argv)
     _configure_logging(args.log_level)
-    if args.command == "serve":
-        return serve(args)
-
     try:
+        return serve(args) if args.command == "serve" else generate(args)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (after a stream, on a line of its own)
+        print(("\n" if getattr(args, "stream", False) else "") + "csd-engine: interrupted", file=sys.stderr)
+        return 130
+
+
+def _check_drafters(drafters: list[str]) -> None:
+    """MaG is the smallest drafter: once, and last (drafters go largest first)."""
+    mags = [i for i, d in enumerate(drafters) if d.lower() == "mag"]
+    if len(mags) > 1:
+        raise ValueError("--drafter mag is given twice: MaG is one drafter, the last one")
+    if mags and mags[0] != len(drafters) - 1:
+        raise ValueError(f"--drafter mag must come last: drafters go largest first and MaG is the smallest "
+                         f"(got {' '.join('--drafter ' + d for d in drafters)})")
+
+
+def generate(args) -> int:
+    """`csd-engine generate`: exit status 0, or 2 for a bad argument (named on stderr)."""
+    try:
+        _check_drafters(args.drafter)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
         if args.stream and (len(args.prompt) > 1 or args.json):
@@ -263,6 +290,7 @@ def serve(args) -> int:
               "pip install 'csd_engine[serve]'", file=sys.stderr)
         return 2
     try:
+        _check_drafters(args.drafter)
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -271,6 +299,8 @@ def serve(args) -> int:
             raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
         if not 1 <= args.port <= 65535:
             raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+        if args.prefill_chunk is not None and args.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be >= 1 (prompt tokens per step), got {args.prefill_chunk}")
         strategy = build_strategy(args)
         engine = Engine(target=args.target, drafters=args.drafter, device=args.device, dtype=DTYPES[args.dtype],
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
@@ -280,8 +310,8 @@ def serve(args) -> int:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2
     name = args.model_name or args.target
-    logging.getLogger(__name__).info("serving %s (%s) on http://%s:%d", name, type(strategy).__name__, args.host,
-                                     args.port)
+    logging.getLogger(__name__).info("loaded %s (%s); starting the server on http://%s:%d", name,
+                                     type(strategy).__name__, args.host, args.port)
     try:
         uvicorn.run(build_app(async_engine, name), host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -27,7 +27,7 @@ import torch
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.llama import LlamaRunner
-from csd_engine.models.loader import load_runner, split_spec
+from csd_engine.models.loader import check_spec, load_runner, split_spec
 from csd_engine.models.quant import drafter_dense_rows
 from csd_engine.params import SamplingParams
 from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler, read_host  # noqa: F401
@@ -97,6 +97,8 @@ class Engine:
             raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        for spec in (target, *drafters):  # a typo or a missing path is refused before anything loads
+            check_spec(spec)
         dtype = _checked_dtype(dtype)
         self.device = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the

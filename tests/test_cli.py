@@ -12,7 +12,7 @@ from csd_engine.cli import main, make_strategy, parse_strategy_config
 from tests.tiny_models import VOCAB, tiny_llama
 
 
-def test_cli_reports_bad_input_clearly(tmp_path, capsys):
+def test_cli_reports_bad_input_clearly(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "tiny"
     tiny_llama(seed=1).save_pretrained(folder)  # a model folder without a tokenizer
     assert main(["generate", "--target", str(folder), "--prompt", "hello"]) == 2
@@ -20,7 +20,29 @@ def test_cli_reports_bad_input_clearly(tmp_path, capsys):
     assert main(["generate", "--target", str(folder), "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "--target", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
-    assert "not a model" in capsys.readouterr().err
+    assert "no such file or folder" in capsys.readouterr().err
+    # a drafter's typo or missing path is refused before the target loads (its weights take seconds)
+    loads = []
+    monkeypatch.setattr(csd_engine.engine, "load_runner", lambda *args, **kwargs: loads.append(args))
+    for drafter, words in (("magg", "did you mean 'mag'"), (str(tmp_path / "nowhere"), "no such file or folder")):
+        assert main(["generate", "--target", str(folder), "--drafter", drafter, "--prompt", "x"]) == 2
+        assert words in capsys.readouterr().err and not loads
+    monkeypatch.undo()
+    for drafters, words in ((["mag", str(folder)], "--drafter mag must come last"),
+                            ([str(folder), "mag", "mag"], "--drafter mag is given twice")):
+        assert main(["generate", "--target", str(folder), *sum((["--drafter", d] for d in drafters), []),
+                     "--prompt", "x"]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_with_a_line_and_status_130(tmp_path, capsys, monkeypatch):
+    folder = _tiny_folder(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.Engine, "generate", interrupted)
+    assert main(["generate", "--target", folder, "--prompt", "ab", "--max-new-tokens", "4"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "csd-engine: interrupted"
 
 
 def test_cli_cascade_options_are_checked(tmp_path, capsys):
@@ -30,7 +52,9 @@ def test_cli_cascade_options_are_checked(tmp_path, capsys):
     common = ["generate", "--target", str(folder), "--drafter", str(folder), "--drafter", "mag", "--json",
               "--max-new-tokens", "6", "--max-seq-len", "64"]
     assert main(common + ["--prompt", "x", "--strategy", "cascade", "--k-matrix", "[[2,4],[0,4]"]) == 2
-    assert "--k-matrix must be JSON" in capsys.readouterr().err
+    assert "--k-matrix must be JSON, e.g. '[[2,4],[0,4]]'" in capsys.readouterr().err
+    assert main(common + ["--prompt", "x", "--strategy", "cascade", "--tree", "xx"]) == 2
+    assert "--tree must be JSON, e.g. '[3,2]';" in capsys.readouterr().err
     assert main(common + ["--prompt", "x", "--strategy", "cascade", "--lenience", "2", "--tree", "[3]"]) == 2
     err = capsys.readouterr().err
     assert "--lenience needs --k-matrix" in err and "--tree" not in err.split("needs")[0]

@@ -85,15 +85,23 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
     return True
 
 
-def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def check_spec(spec) -> None:
+    """Refuse at once, before anything loads, a string spec that cannot name a model: a typo of
+    a zoo name or 'mag', a path that does not exist, a folder without config.json, a file that
+    is neither a folder nor a .gguf. Other specs (models, runners) are checked as they load."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if isinstance(spec, str) and spec.lower() != "mag":
+        check_model_name(split_spec(spec)[0])
 
+
+def check_model_name(spec: str) -> None:
+    """check_spec for a spec without its suffixes."""
     from csd_engine.models import zoo
 
-    folder, extra = spec, {}
     if zoo.is_zoo_name(spec):
-        folder = str(zoo.resolve(spec))
-    elif _is_gguf(spec):
+        return
+    if _is_gguf(spec):
         if not os.path.isfile(spec):
             raise ValueError(f"GGUF file not found: {spec!r}")
     elif os.path.isdir(spec):
@@ -101,11 +109,25 @@ def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
             raise ValueError(f"{spec!r} is a folder but not a model folder (no config.json)")
     elif os.path.exists(spec):
         raise ValueError(f"{spec!r} is a file but not a model: pass a model folder or a .gguf file")
+    elif spec.startswith(("/", "./", "../", "~")) or os.sep != "/" and spec.startswith(os.sep):
+        raise ValueError(f"{spec!r}: no such file or folder (a model folder, a .gguf file, a zoo name or a hub id)")
     else:
         near = difflib.get_close_matches(spec.lower(), [*zoo.MODELS, "mag"], n=1, cutoff=0.8)
         if near and "/" not in spec:  # a typo, not a hub id: say so now, not after the hub's retries
             raise ValueError(f"{spec!r} is not a model: did you mean {near[0]!r}? (zoo names: {', '.join(zoo.MODELS)}; "
                              "'mag' for the MaG drafter; or a model folder, a .gguf file or a hub id)")
+
+
+def _load_hf(spec: str, dtype: torch.dtype, with_tokenizer: bool = True):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from csd_engine.models import zoo
+
+    folder, extra = spec, {}
+    check_model_name(spec)
+    if zoo.is_zoo_name(spec):
+        folder = str(zoo.resolve(spec))
+    elif not os.path.exists(spec):  # a hub id
         folder, extra = _split_revision(spec)
         if not _hub_reachable():  # then only a model already in the hub's local cache loads
             extra["local_files_only"] = True
