@@ -96,8 +96,9 @@ class Pearl:
             raise ValueError(f"Pearl(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
                              f"the engine has {len(engine.drafters)} drafter(s)")
         if isinstance(engine.drafters[self.drafter], MaG):
-            raise ValueError(f"Pearl needs a neural drafter, but engine.drafters[{self.drafter}] is MaG (it proposes "
-                             "on the host, there is no forward to overlap): use Speculative or Cascade with MaG")
+            raise ValueError(f"Pearl needs a neural drafter, but engine.drafters[{self.drafter}] is MaG (a suffix "
+                             "match costs next to nothing: there is no drafter forward worth overlapping with the "
+                             "target's): use Speculative or Cascade with MaG")
         two_devices = engine.drafter_device != engine.device
         if self.overlap is False and two_devices:
             raise ValueError(f"Pearl(overlap=False) runs the drafter and the target in turn on one device, but this "
