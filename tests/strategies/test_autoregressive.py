@@ -104,7 +104,7 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
         (lambda: Engine(model, drafters=["magg"]), r"did you mean 'mag'\?"),  # at once, not after hub retries
         (lambda: Engine("qwen2.5-coder-1.5"), r"did you mean 'qwen2.5-coder-1.5b'\?"),
         (lambda: Engine(model, attention_backend="flash"), r"attention_backend must be one of \('sdpa', 'triton'\)"),
-        (lambda: Engine(str(tmp_path / "missing-model")), "not a model"),
+        (lambda: Engine(str(tmp_path / "missing-model")), "missing-model.: no such file or folder"),
         (lambda: SamplingParams(ignore_eos="no"), "ignore_eos must be True or False"),  # not taken as true
         (lambda: Engine(model, max_batch_size=2.5), "max_batch_size must be an int >= 1"),
         (lambda: Engine(model, max_seq_len=True), "max_seq_len must be an int >= 2"),
