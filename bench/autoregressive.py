@@ -86,4 +86,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

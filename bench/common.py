@@ -82,10 +82,13 @@ def encode(tokenizer, prompt: dict, chat: bool = True, max_tokens: int | None = 
     return list(ids[-max_tokens:]) if max_tokens else list(ids)
 
 
-def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (key, header, format); a missing or None value prints as "-"."""
-    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns]
-                                              for r in rows]
+def print_table(rows: list[dict], columns: list[tuple]) -> None:
+    """columns: (key, header, format: a format spec or a function of the value, as
+    harness.figures); a missing or None value prints as "-"."""
+    def cell(value, fmt) -> str:
+        return "-" if value is None else fmt(value) if callable(fmt) else format(value, fmt)
+
+    cells = [[h for _, h, _ in columns]] + [[cell(r.get(k), f) for k, _, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     for i, line in enumerate(cells):
         print(" | ".join(c.ljust(w) for c, w in zip(line, widths)))
@@ -161,3 +164,10 @@ def instrumented(engine, stopwatch: Stopwatch):
                 delattr(obj, name)  # back to the class's method
             else:
                 setattr(obj, name, earlier)
+
+
+if __name__ == "__main__":  # a module, not a script: say which to run
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.harness import not_a_script
+    not_a_script(__file__)

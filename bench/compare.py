@@ -258,18 +258,24 @@ def parse_args(argv=None):
                     help="comma-separated keys of METHODS, each optionally with its own settings "
                          "(KEY:K=[[3,4],[0,4]]:l=3, module docstring; default every key)")
     ap.add_argument("--prompts", type=harness.positive_int, default=None,
-                    help="at most this many prompts in all, taken round-robin over the categories")
-    ap.add_argument("--k", type=int, default=4, help="draft length of Speculative and Pearl with the 0.5B drafter")
-    ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG")
+                    help="at most this many prompts in all, taken round-robin over the categories (default: all "
+                         "that --categories and --per-category select)")
+    ap.add_argument("--k", type=int, default=4,
+                    help="draft length of Speculative and Pearl with the 0.5B drafter (default 4)")
+    ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG (default 6)")
     ap.add_argument("--k-matrix", type=json_text, default="[[2,4],[0,4]]",
-                    help="Cascade 1.5B <- 0.5B <- MaG (default: bench/tune.py's best on the 2-core CPU)")
+                    help="K matrix of Cascade 1.5B <- 0.5B <- MaG (default [[2,4],[0,4]]: bench/tune.py's best on "
+                         "the 2-core CPU)")
     ap.add_argument("--tree", type=json_text, default="[3,2]",
                     help="candidates per depth of the top-level tree of cascade-tree, cascade-int4-tree and "
-                         "cascade-auto-int4-tree (the tree each row may choose)")
-    ap.add_argument("--k-mag-matrix", type=json_text, default="[[8]]", help="Cascade 1.5B <- MaG")
-    ap.add_argument("--lenience", type=float, default=2.0)
+                         "cascade-auto-int4-tree (the tree each row may choose; default [3,2])")
+    ap.add_argument("--k-mag-matrix", type=json_text, default="[[8]]",
+                    help="K matrix of Cascade 1.5B <- MaG (default [[8]])")
+    ap.add_argument("--lenience", type=float, default=2.0,
+                    help="lenience of the K-matrix cascades, >= 1: how far the 0.5B's reviews of MaG's tokens are "
+                         "relaxed (never the target's; default 2)")
     ap.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call in the K-matrix cascades "
-                                                               "(the CLI's default)")
+                                                               "(default 4, the CLI's)")
     ap.add_argument("--model-cost", type=float, default=None,
                     help="the self-tuning strategies' drafter cost, x a target forward (default: their own, "
                          "csd_engine.strategies.budget.cost_ratio)")
@@ -452,16 +458,16 @@ def profile_methods(runners: dict, labels: dict, ids: list[int], max_new_tokens:
                       for part in ("prefill", "target", "drafters", "verify", "sample", "mag")})
         row["other_ms"] = row["ms_per_step"] - sum(parts.values())
         rows.append(row)
-        harness.progress(f"profile {labels[key]}: {row['ms_per_step']:.0f} ms per target step")
+        harness.progress(f"profile {labels[key]}: {harness.figures(row['ms_per_step'])} ms per target step")
     if rows:
         print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps)")
-        print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ".0f"),
-                           ("mean_accepted", "MAT", ".2f"), ("prefill_ms", "prefill", ".0f"),
-                           ("target_ms", "target", ".0f"), ("drafters_ms", "drafters", ".0f"),
-                           ("verify_ms", "verify", ".1f"), ("sample_ms", "sample", ".1f"), ("mag_ms", "MaG", ".1f"),
-                           ("other_ms", "other", ".0f")])
+        ms = harness.figures
+        print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ms),
+                           ("mean_accepted", "MAT", ".2f"), ("prefill_ms", "prefill", ms), ("target_ms", "target", ms),
+                           ("drafters_ms", "drafters", ms), ("verify_ms", "verify", ms), ("sample_ms", "sample", ms),
+                           ("mag_ms", "MaG", ms), ("other_ms", "other", ms)])
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

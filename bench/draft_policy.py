@@ -283,7 +283,7 @@ def parse_args(argv=None):
                     help="the drafter's one-token forward, x the target's (default: timed)")
     ap.add_argument("--width-cost", type=float, default=None,
                     help="one more token's cost in a target forward (default: the timed curve)")
-    ap.add_argument("--step-cost", type=float, default=0.07, help="a speculative step's own work, x a target forward")
+    ap.add_argument("--step-cost", type=float, default=0.07, help="a speculative step's own work, x a target forward (default 0.07)")
     ap.add_argument("--replay", default=None, metavar="JSON",
                     help="replay the traces a run of this script recorded (its timed costs unless given): no models; "
                          "the models, prompts and tokens are the recording's (" + ", ".join(
@@ -386,4 +386,4 @@ def summarize(traces: list[Trace], costs: Costs) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

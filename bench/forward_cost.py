@@ -106,14 +106,18 @@ def timed_rows(key: dict, forwards: dict, vocab: int, ns: list[int], repeats: in
 
 def main(argv=None):
     ap = harness.parser(__doc__, dry_run={"models": "tiny", "ns": "1,3", "context": 16, "repeats": 1}, repeats=5)
-    ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b", help="zoo names or folders")
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b",
+                    help="comma-separated zoo names or folders (default qwen2.5-coder-1.5b,qwen2.5-coder-0.5b)")
     ap.add_argument("--dtypes", type=harness.names(harness.DTYPES), default="float32,bfloat16",
-                    help=f"comma-separated, out of {', '.join(harness.DTYPES)}")
+                    help=f"comma-separated, out of {', '.join(harness.DTYPES)} (default float32,bfloat16)")
     ap.add_argument("--ns", type=harness.numbers(int, 1), default="1,2,3,5,9,17",
-                    help="new tokens per forward, comma-separated; 1 among them (the times are relative to it)")
-    ap.add_argument("--context", type=harness.positive_int, default=128, help="tokens already in the cache")
+                    help="new tokens per forward, comma-separated; 1 among them (the times are relative to it; "
+                         "default 1,2,3,5,9,17)")
+    ap.add_argument("--context", type=harness.positive_int, default=128,
+                    help="tokens already in the cache (default 128)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated keys of {', '.join(PATHS)} (default all)")
-    ap.add_argument("--drafters", default="", help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20]")
+    ap.add_argument("--drafters", default="",
+                    help="drafter specs, e.g. qwen2.5-coder-0.5b:int4,qwen2.5-coder-0.5b[:20] (default none)")
     ap.add_argument("--packed-only", action="store_true",
                     help="quantized drafters without the engine's dense copies for wide calls (the packed op at every "
                          "width; models/quant.py)")
@@ -147,7 +151,7 @@ def main(argv=None):
             forwards = {key: build(model, dtype, prefix, max(ns)) for key, (_, build) in paths.items()}
             rows += timed_rows(dict(model=name, dtype=dtype_name), forwards, model.config.vocab_size, ns, args.repeats)
             harness.progress(f"{name} {dtype_name}, native: " + ", ".join(
-                f"n={row['n']} {row['native_ms']:.0f} ms" for row in rows[-len(ns):]))
+                f"n={row['n']} {harness.figures(row['native_ms'])} ms" for row in rows[-len(ns):]))
             del model, forwards
     for spec in filter(None, args.drafters.split(",")):
         for dtype_name in args.dtypes:
@@ -176,11 +180,11 @@ def main(argv=None):
     for row in rows:
         for key in paths:
             if f"{key}_ms" in row:
-                row[f"{key}_spread"] = f"{row[f'{key}_min_ms']:.0f}-{row[f'{key}_max_ms']:.0f}"
+                row[f"{key}_spread"] = harness.spread([row[f"{key}_min_ms"], row[f"{key}_max_ms"]], harness.figures)
     print(f"\nforward of n new tokens after a {args.context}-token prefix, batch 1 (median of {args.repeats})")
     columns = [("model", "model", "s"), ("dtype", "dtype", "s"), ("n", "n", "d")]
     for key, (label, _) in paths.items():
-        columns += [(f"{key}_ms", f"{label} ms", ".0f"), (f"{key}_spread", "min-max", "s"),
+        columns += [(f"{key}_ms", f"{label} ms", harness.figures), (f"{key}_spread", "min-max", "s"),
                     (f"{key}_vs_1", "x n=1", ".2f")]
     columns.append(("x_target", "native x target", ".2f"))
     print_table(rows, columns)
@@ -190,4 +194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

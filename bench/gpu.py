@@ -22,19 +22,23 @@ Run on the device (from the repository root):
     CSD_NO_EXTENSION=1 python3 -m pip install -q --no-build-isolation --no-deps -e .
     PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT 2>&1 | tee $OUT/gpu.log
 
-and here, as a smoke test with tiny shapes on the CPU (Triton interpreter):
+and here, as a smoke test with tiny shapes on the CPU (Triton interpreter; about 40 s: few
+shapes and tokens, batch 2, one strategy of each kind in step_split and step_profile):
 
     python bench/gpu.py --dry-run
 
 Every section catches its own failure (printed, recorded) so the others still run, and
 <out>/gpu-YYYYmmdd-HHMMSS.json (gpu-dry-run-...) is rewritten after each section; its
-step-split picture is drawn beside it at the end (bench/plot.py).
+step-split picture is drawn beside it at the end (bench/plot.py). --budget-s is checked before
+each section: once it is spent, the sections left are skipped, and recorded as such.
 """
+import contextlib
 import os
 import sys
 import time
 import traceback
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
@@ -65,8 +69,9 @@ DTYPE = torch.bfloat16
 COMPILE_BUDGET_S = 220  # seconds the compiled transformers run needs (compile + two generates)
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
-TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+# the dry run's: one KV head and two layers halve what Triton's interpreter runs per step
+TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
 @dataclass(frozen=True)
@@ -85,11 +90,25 @@ class Sizes:
     new_tokens: int = 128
     max_seq_len: int = 1024
     copy_bytes: int = 1 << 30
+    batch: int = 8  # the wide batch of step_split's graphs, quantized_drafter and batch_invariance
+    strategies: tuple | None = None  # the names step_split and step_profile run (None: all of them)
 
 
-DRY_RUN = Sizes(verify_batches=(1, 2), verify_ks=(2,), vocabs=(96,), contexts=(64, 128), attention_batches=(1, 2),
+# The dry run proves every section runs in Triton's interpreter, where a kernel launch costs
+# milliseconds: few shapes and tokens, batch 2, and of step_split's and step_profile's strategies
+# one of each code path (plain; K-matrix cascade: chain verification, MaG; self-tuning tree; sampling).
+DRY_RUN = Sizes(verify_batches=(1, 2), verify_ks=(2,), vocabs=(96,), contexts=(64,), attention_batches=(1, 2),
                 attention_ns=(1, 3), heads=2, head_dim=16, model=TINY_LLAMA, drafter_layers=1, prompt_tokens=6,
-                new_tokens=6, max_seq_len=64, copy_bytes=1 << 20)
+                new_tokens=4, max_seq_len=64, copy_bytes=1 << 20, batch=2,
+                strategies=("autoregressive", "cascade K=[[4,2],[0,4]] l=2, MaG",
+                            "Cascade.auto(tree=(3, 2)), MaG",
+                            "cascade K=[[4,2],[0,4]] l=2, MaG, T=0.8 top-k 50 top-p 0.95",  # step_split's
+                            "cascade, T=0.8 top-k 50 top-p 0.95"))  # step_profile's
+
+
+def chosen(sizes: Sizes, strategies: list[tuple]) -> list[tuple]:
+    """The (name, ...) entries of `strategies` that `sizes.strategies` names (all when None)."""
+    return [entry for entry in strategies if sizes.strategies is None or entry[0] in sizes.strategies]
 
 
 def graph_ms(fn, device: torch.device) -> float:
@@ -102,10 +121,11 @@ def graph_ms(fn, device: torch.device) -> float:
 
 def time_ms(fn, device: torch.device) -> float:
     """Median milliseconds per call: triton's do_bench on CUDA (it flushes the L2 cache before
-    every call, so bandwidths are DRAM bandwidths); on the CPU (dry run) two plain calls."""
+    every call, so bandwidths are DRAM bandwidths); on the CPU (dry run: the number means
+    nothing, Triton's interpreter is slow) one plain call."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    return harness.repeat(fn, 2)[1].median * 1e3
+    return harness.repeat(fn, 1, warmup=0)[1].median * 1e3
 
 
 
@@ -339,14 +359,15 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
     sizes, device = models.sizes, models.device
     prompt = models.prompt()
     params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
-    strategies = [("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False),
-                  ("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0,
-                                                                          mag_tokens=4), True),
-                  # per-row draft lengths chosen every step on the device (issue 17) beside the fixed ones
-                  ("Speculative.auto()", csd_engine.Speculative.auto(), False),
-                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True),
-                  # each row chooses the top-level tree where its siblings pay for their width (nearly free here)
-                  ("Cascade.auto(tree=(3, 2)), MaG", csd_engine.Cascade.auto(tree=(3, 2)), True)]
+    strategies = chosen(sizes, [
+        ("autoregressive", csd_engine.Autoregressive(), False), ("chain k=4", csd_engine.Speculative(k=4), False),
+        ("cascade K=[[4,2],[0,4]] l=2, MaG", csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4),
+         True),
+        # per-row draft lengths chosen every step on the device (issue 17) beside the fixed ones
+        ("Speculative.auto()", csd_engine.Speculative.auto(), False),
+        ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True),
+        # each row chooses the top-level tree where its siblings pay for their width (nearly free here)
+        ("Cascade.auto(tree=(3, 2)), MaG", csd_engine.Cascade.auto(tree=(3, 2)), True)])
     rows = []
 
     def so_far(more):
@@ -380,19 +401,19 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
             on_row(rows)
     if graphs:
-        rows += step_graph_rows(models, strategies, prompt, params, batches=(8,), on_row=so_far)
+        rows += step_graph_rows(models, strategies, prompt, params, batches=(sizes.batch,), on_row=so_far)
         # sampling with top-k / top-p: the steps that launch the most (emitted distributions, q)
         sampling = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True, temperature=0.8,
                                              top_k=50, top_p=0.95, seed=1)
-        sampled = [(f"{name}, T=0.8 top-k 50 top-p 0.95", strategy, with_mag)
-                   for name, strategy, with_mag in strategies if name.startswith(("chain", "cascade"))]
+        sampled = chosen(sizes, [(f"{name}, T=0.8 top-k 50 top-p 0.95", strategy, with_mag)
+                                 for name, strategy, with_mag in strategies if name.startswith(("chain", "cascade"))])
         rows += step_graph_rows(models, sampled, prompt, sampling, batches=(1,), on_row=so_far)
     return rows
 
 
 def step_graph_rows(models: Models, strategies, prompt, params, batches=(1, 8), on_row=lambda rows: None) -> list[dict]:
     """Engine(cuda_graphs="step"): each whole step replays one CUDA graph (no split: a graph's
-    parts are not timed apart), at batch 1 and 8 (distinct prompts). Its tokens must equal an
+    parts are not timed apart), at each of `batches` (distinct prompts). Its tokens must equal an
     eager engine's on the same (Triton) attention (seeded when sampling). Graphs live as long as their scheduler
     (a server's one): the two warm-up batches and the timed one share it, so the timed batch
     measures replays only (its `captured_while_timed` says whether any key was new there)."""
@@ -524,15 +545,16 @@ def bench_step_profile(models: Models) -> list[dict]:
     greedy = csd_engine.SamplingParams(max_new_tokens=min(64, models.sizes.new_tokens), ignore_eos=True)
     sampling = replace(greedy, temperature=0.8, top_k=50, top_p=0.95, seed=1)
     cascade = csd_engine.Cascade(k_matrix=((4, 2), (0, 4)), lenience=2.0, mag_tokens=4)
-    strategies = [("autoregressive", csd_engine.Autoregressive(), False, greedy),
-                  ("chain k=4", csd_engine.Speculative(k=4), False, greedy),
-                  ("cascade K=[[4,2],[0,4]] l=2, MaG", cascade, True, greedy),
-                  ("Speculative.auto()", csd_engine.Speculative.auto(), False, greedy),
-                  ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True, greedy),
-                  # top-k / top-p: the chain's sampling step cost 4.2 ms more than its greedy one (H200 run 7)
-                  ("autoregressive, T=0.8 top-k 50 top-p 0.95", csd_engine.Autoregressive(), False, sampling),
-                  ("chain k=4, T=0.8 top-k 50 top-p 0.95", csd_engine.Speculative(k=4), False, sampling),
-                  ("cascade, T=0.8 top-k 50 top-p 0.95", cascade, True, sampling)]
+    strategies = chosen(models.sizes, [
+        ("autoregressive", csd_engine.Autoregressive(), False, greedy),
+        ("chain k=4", csd_engine.Speculative(k=4), False, greedy),
+        ("cascade K=[[4,2],[0,4]] l=2, MaG", cascade, True, greedy),
+        ("Speculative.auto()", csd_engine.Speculative.auto(), False, greedy),
+        ("Cascade.auto(), MaG", csd_engine.Cascade.auto(), True, greedy),
+        # top-k / top-p: the chain's sampling step cost 4.2 ms more than its greedy one (H200 run 7)
+        ("autoregressive, T=0.8 top-k 50 top-p 0.95", csd_engine.Autoregressive(), False, sampling),
+        ("chain k=4, T=0.8 top-k 50 top-p 0.95", csd_engine.Speculative(k=4), False, sampling),
+        ("cascade, T=0.8 top-k 50 top-p 0.95", cascade, True, sampling)])
     target, drafter = models.target_runner, models.drafter_runner
     rows = []
     try:
@@ -570,7 +592,7 @@ def bench_step_profile(models: Models) -> list[dict]:
 def bench_quantized_drafter(models: Models) -> list[dict]:
     """The drafter's forward with weight-only quantized projections and head (models/quant.py:
     torch's int8 / int4 packed-weight ops on CUDA) against bf16: graph-replayed ms for 1 and 5
-    new tokens at batch 1 and 8, 512-token context, and the greedy agreement of its logits."""
+    new tokens at batch 1 and `sizes.batch` (8), 512-token context, and the greedy agreement of its logits."""
     sizes, device = models.sizes, models.device
     context = min(512, sizes.max_seq_len // 2)
     rows, reference = [], {}
@@ -584,8 +606,8 @@ def bench_quantized_drafter(models: Models) -> list[dict]:
             progress(f"drafter {scheme}: FAILED {rows[-1]['error']}")
             continue
         graphed = GraphedRunner(runner)
-        graphed.allocate(8, sizes.max_seq_len + 256)
-        for batch in (1, 8):
+        graphed.allocate(sizes.batch, sizes.max_seq_len + 256)
+        for batch in (1, sizes.batch):
             graphed.use_rows(batch)
             for n in (1, 5):
                 torch.manual_seed(batch * 10 + n)
@@ -607,8 +629,8 @@ def bench_quantized_drafter(models: Models) -> list[dict]:
 
 def bench_batch_invariance(models: Models) -> list[dict]:
     """What Engine(batch_invariant=True) costs and buys: one target forward (CUDA graph) at batch
-    1 and 8, n = 1 and 5, default runner vs batch-invariant, and how far row 0's logits move
-    between batch 1 and batch 8 (0 = invariant)."""
+    1 and `sizes.batch` (8), n = 1 and 5, default runner vs batch-invariant, and how far row 0's
+    logits move between the two batches (0 = invariant)."""
     sizes, device, runner = models.sizes, models.device, models.target_runner
     context = min(512, sizes.max_seq_len // 2)
     saved = runner.row_block, runner.attention_backend
@@ -617,11 +639,11 @@ def bench_batch_invariance(models: Models) -> list[dict]:
         if mode == "invariant":
             runner.make_batch_invariant()
         graphed = GraphedRunner(runner)  # switches the runner to the Triton attention
-        graphed.allocate(8, sizes.max_seq_len + 256)
+        graphed.allocate(sizes.batch, sizes.max_seq_len + 256)
         for n in (1, 5):
-            ids = torch.randint(0, sizes.model["vocab_size"], (8, n), device=device)
+            ids = torch.randint(0, sizes.model["vocab_size"], (sizes.batch, n), device=device)
             logits = {}
-            for batch in (1, 8):
+            for batch in (1, sizes.batch):
                 def forward(r=graphed, b=batch, ids=ids, n=n):
                     r.use_rows(b)
                     r.cache.lengths.fill_(context)
@@ -629,7 +651,7 @@ def bench_batch_invariance(models: Models) -> list[dict]:
 
                 logits[batch] = forward()[0].float()
                 rows.append(dict(mode=mode, batch=batch, n=n, context=context, graph_ms=time_ms(forward, device)))
-            moved = (logits[1] - logits[8]).abs().max().item()
+            moved = (logits[1] - logits[sizes.batch]).abs().max().item()
             for row in rows[-2:]:
                 row["row0_logit_change"] = moved
             progress(f"batch invariance {mode} n={n}: {rows[-2]['graph_ms']:.2f} / {rows[-1]['graph_ms']:.2f} ms, "
@@ -641,9 +663,12 @@ def bench_batch_invariance(models: Models) -> list[dict]:
 # -- 7. PEARL on one GPU: drafter and target on two streams -----------------------------------------
 def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
     """Pearl(gamma) against Speculative(k=gamma) with the same synthetic drafter, eager and with
-    CUDA graphs. 'sequential' is the round's forwards run one after the other (one target
-    forward of gamma tokens + gamma drafter steps, each timed alone); 'overlap' is the share of
-    the shorter side that the concurrent round hid: (sequential - round) / min(target, drafter)."""
+    CUDA graphs. Per round: one target forward of gamma tokens and gamma drafter steps, each timed
+    alone ('sequential': their sum) and both at once as PEARL runs them ('concurrent': the drafter
+    in a worker thread, on a side stream on CUDA); 'overlap' is the share of the shorter side that
+    running them at once hid, (sequential - concurrent) / min(target, drafter steps): 1 hidden
+    whole, 0 (or below, when contention costs more) not at all. A round of either strategy also
+    verifies and does the engine's own work, which ms/round includes."""
     sizes, device = models.sizes, models.device
     prompt = models.prompt()
     params = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True)
@@ -656,7 +681,7 @@ def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
         if variant == "CUDA graphs":
             target, drafter = GraphedRunner(target), GraphedRunner(drafter)
         engine = engine_for(target, [drafter], models)
-        alone = {}
+        alone, forwards = {}, {}
         for name, runner, n in (("target", target, gamma), ("drafter", drafter, 1)):
             ids = torch.randint(0, sizes.model["vocab_size"], (1, n), device=device)
 
@@ -665,36 +690,90 @@ def bench_pearl(models: Models, gamma: int = 4) -> list[dict]:
                 return r(ForwardBatch.chain(ids, r.cache.lengths, sizes.prompt_tokens + 32 + n))
 
             forward()
-            alone[name] = time_ms(forward, device)
+            alone[name], forwards[name] = time_ms(forward, device), forward
+        sequential = alone["target"] + gamma * alone["drafter"]
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="bench-pearl") as pool:
+                both = concurrently(forwards["target"], lambda: [forwards["drafter"]() for _ in range(gamma)], pool,
+                                    device)
+                both()
+                concurrent = time_ms(both, device)
+        except Exception as error:  # noqa: BLE001 - the strategies' rows below still run
+            concurrent = None
+            progress(f"PEARL {variant}: the concurrent forwards FAILED ({type(error).__name__}: {error})")
         for name, strategy in (("Speculative k=%d" % gamma, csd_engine.Speculative(k=gamma)),
                                ("Pearl gamma=%d" % gamma, csd_engine.Pearl(gamma=gamma, overlap=True))):
             engine.generate([prompt], params, strategy=strategy)  # warm-up, graph capture
             result, seconds = wall_s(lambda: engine.generate([prompt], params, strategy=strategy)[0], device)
             m = result.metrics
             round_ms = seconds / m.target_forwards * 1e3
-            sequential = alone["target"] + gamma * alone["drafter"]
             row = dict(variant=variant, strategy=name, tokens_per_s=m.new_tokens / seconds, mean_accepted=m.mean_accepted_tokens,
                        ms_per_round=round_ms, target_alone_ms=alone["target"], drafter_steps_ms=gamma * alone["drafter"],
                        sequential_ms=sequential,
                        wait_target_ms=m.wait_time_s.get("target", 0.0) / m.target_forwards * 1e3,
                        wait_drafter_ms=m.wait_time_s.get("drafter", 0.0) / m.target_forwards * 1e3)
-            if name.startswith("Pearl"):
-                row["overlap"] = (sequential - round_ms) / min(alone["target"], gamma * alone["drafter"])
+            if name.startswith("Pearl") and concurrent is not None:
+                row["concurrent_ms"] = concurrent
+                row["overlap"] = (sequential - concurrent) / min(alone["target"], gamma * alone["drafter"])
             rows.append(row)
             progress(f"{name}, {variant}: {row['tokens_per_s']:.1f} tokens/s, {round_ms:.2f} ms/round")
     return rows
 
 
+def concurrently(here, there, pool: ThreadPoolExecutor, device: torch.device):
+    """A call that runs `there` in `pool`'s worker thread (on a side stream on CUDA, which waits
+    for the main stream first and is waited for at the end) while `here` runs in this one, and
+    returns once both are done: how PEARL runs a round's target forward and drafter steps."""
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def in_worker():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            there()
+
+    def both():
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        job = pool.submit(in_worker)
+        try:
+            here()
+        finally:
+            job.result()
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    return both
+
+
 # -- driver ---------------------------------------------------------------------------------------
 class Report:
     """Sections run in order; each failure is printed and recorded, and the JSON is rewritten
-    after every section so a run cut short still leaves its results."""
+    after every section so a run cut short still leaves its results. Once --budget-s is spent
+    (checked before each section), the sections left are skipped, each recorded as such."""
 
     def __init__(self, args, header: dict):
         self.args, self.path = args, harness.record_path("gpu", args)
         self.payload = {**header, "sections": {}}
+        self.start = time.perf_counter()
 
-    def run(self, section: str, fn):
+    def left_s(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.start)
+
+    def skip(self, section: str, why: str) -> dict:
+        """Records `section` as skipped, saying why; the result print_section passes over."""
+        print(f"\n{section}: skipped ({why})")
+        result = {"skipped": why}
+        self.payload["sections"][section] = result
+        harness.write_record(self.path, self.payload, self.args)
+        return result
+
+    def run(self, section: str, fn, needs_s: float = 0.0):
+        """fn()'s result (or its error) recorded as `section`, unless less than `needs_s` seconds
+        of --budget-s are left (none left: every section is skipped)."""
+        left = self.left_s()
+        if left <= needs_s:
+            spent = self.args.budget_s - left
+            return self.skip(section, f"--budget-s {self.args.budget_s:g}: {spent:.0f} s spent"
+                             + (f", and it needs {needs_s:.0f} s" if needs_s else ""))
         progress(f"== {section}")
         try:
             result = fn()
@@ -713,7 +792,7 @@ class Report:
 
 
 def print_section(title: str, result, columns) -> None:
-    if isinstance(result, dict) and "error" in result:
+    if isinstance(result, dict) and ("error" in result or "skipped" in result):
         return
     rows = result["rows"] if isinstance(result, dict) else result
     print(f"\n{title}")
@@ -726,18 +805,23 @@ SECTIONS = ("verify", "attention", "mag", "autoregressive", "step_split", "step_
 
 def main(argv=None):
     ap = harness.parser(__doc__)  # --dry-run: tiny shapes on the CPU (Triton interpreter)
-    ap.add_argument("--residual-scale", type=float, default=0.05,
-                    help="scale of the target's layers past the drafter's (0: the target equals its drafter)")
+    ap.add_argument("--residual-scale", type=harness.non_negative_float, default=0.05,
+                    help="factor >= 0 on the output projections of the target's layers past the drafter's: how "
+                         "far the target strays from its drafter (0: the target equals its drafter; 1: unscaled "
+                         "random layers, little agreement; default 0.05)")
     ap.add_argument("--unfused", action="store_true",
                     help="native runners with plain PyTorch RMSNorm / RoPE instead of the fused kernels (the CUDA "
                          "default); autoregressive and forward_profile always time both")
-    ap.add_argument("--budget-s", type=float, default=500.0, help="seconds the whole run may take")
+    ap.add_argument("--budget-s", type=harness.positive_float, default=500.0,
+                    help="seconds the whole run may take, checked before each section: once spent, the sections "
+                         f"left are skipped (recorded as such); transformers_compiled needs {COMPILE_BUDGET_S} s "
+                         "of it left (default 500)")
     ap.add_argument("--sections", type=harness.names(SECTIONS), default=",".join(SECTIONS),
-                    help=f"comma-separated subset of {','.join(SECTIONS)} (the copy bandwidth always runs)")
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default all; the copy bandwidth "
+                         "always runs)")
     args = ap.parse_args(argv)
     harness.start(args)
     wanted = set(args.sections)
-    start = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run for the CPU smoke test")
@@ -746,11 +830,11 @@ def main(argv=None):
               "sizes": asdict(sizes), "fused_kernels": not args.unfused and device.type == "cuda"}
     print(f"device={header['device']} " + " ".join(f"{k}={v}" for k, v in harness.versions().items()))
     report = Report(args, header)
-    run_sections(args, wanted, sizes, device, report, start)
+    run_sections(args, wanted, sizes, device, report)
     harness.finish(report.path, args)
 
 
-def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: Report, start: float) -> None:
+def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: Report) -> None:
     copy = report.run("copy_bandwidth", lambda: copy_bandwidth(sizes, device))
     copy_gb_per_s = copy.get("gb_per_s", float("nan"))
     print(f"\ncopy bandwidth: {copy_gb_per_s:.0f} GB/s (bytes read + written per second, {sizes.copy_bytes >> 20} MiB)")
@@ -817,7 +901,8 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
     if "batch_invariance" in wanted:
         invariance = report.run("batch_invariance", lambda: bench_batch_invariance(models))
         print_section(f"Engine(batch_invariant=True): one {shape}-shaped target forward (CUDA graph) vs the default "
-                      "runner, and how far row 0's logits move between batch 1 and batch 8 (0: invariant)", invariance,
+                      f"runner, and how far row 0's logits move between batch 1 and batch {sizes.batch} (0: invariant)",
+                      invariance,
                       [("mode", "mode", "s"), ("batch", "B", "d"), ("n", "n", "d"), ("context", "context", "d"),
                        ("graph_ms", "graph ms", ".2f"), ("row0_logit_change", "row 0 change", ".2g")])
 
@@ -852,19 +937,21 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
     if "pearl" in wanted:
         pearl = report.run("pearl", lambda: bench_pearl(models))
         print_section("PEARL on one GPU (drafter on a side stream, same synthetic drafter) vs Speculative; per round: "
-                      "the target forward and the drafter's steps timed alone, their sum (sequential), and the "
-                      "share of the shorter side hidden by running them concurrently (overlap)", pearl,
+                      "the target forward and the drafter's steps timed alone, their sum (sequential), both at once "
+                      "as PEARL runs them (concurrent), and the share of the shorter side that running them at once "
+                      "hid (overlap: 1 whole, 0 or below none); ms/round also holds the verification and the "
+                      "engine's own work", pearl,
                       [("variant", "variant", "s"), ("strategy", "strategy", "s"), ("tokens_per_s", "tokens/s", ".1f"),
                        ("mean_accepted", "MAT", ".2f"), ("ms_per_round", "ms/round", ".2f"),
                        ("target_alone_ms", "target", ".2f"), ("drafter_steps_ms", "drafter steps", ".2f"),
-                       ("sequential_ms", "sequential", ".2f"), ("overlap", "overlap", ".2f"),
+                       ("sequential_ms", "sequential", ".2f"), ("concurrent_ms", "concurrent", ".2f"),
+                       ("overlap", "overlap", ".2f"),
                        ("wait_target_ms", "target waits", ".2f"), ("wait_drafter_ms", "drafter waits", ".2f")])
 
     if "transformers_compiled" not in wanted:
         return
-    left = args.budget_s - (time.perf_counter() - start)
-    if device.type != "cuda" or left < COMPILE_BUDGET_S:
-        print(f"\ntransformers static cache + torch.compile: skipped ({'no CUDA' if device.type != 'cuda' else f'{left:.0f} s left'})")
+    if device.type != "cuda":
+        report.skip("transformers_compiled", "no CUDA")
         return
 
     def compiled_generate():
@@ -874,10 +961,10 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
         return [dict(method="transformers generate, static cache + torch.compile", tokens_per_s=n / seconds,
                      ms_per_token=seconds / n * 1e3)]
 
-    compiled = report.run("transformers_compiled", compiled_generate)
+    compiled = report.run("transformers_compiled", compiled_generate, needs_s=COMPILE_BUDGET_S)
     print_section("transformers generate with its automatic torch.compile (same model and prompt length)", compiled,
                   [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".1f"), ("ms_per_token", "ms/token", ".2f")])
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

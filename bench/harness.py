@@ -6,17 +6,25 @@ progress lines and the JSON record.
   only fail later (an unusable --out, prompt options that select nothing, a model that is neither
   a zoo name nor a folder) and gives the options the command line leaves out their --dry-run
   values. `start(args)` applies --threads. Type functions for counts and lists: `positive_int`,
-  `non_negative_float`, `numbers`, `names`.
+  `positive_float`, `non_negative_float`, `numbers`, `names`.
+* `run(main)`: each script's `if __name__ == "__main__"`: Ctrl-C ends it with one line (and where
+  the JSON it wrote so far is) and exit status 130 instead of a traceback.
 * `load_pair(args)`: tokenizer, target and drafter (zoo names or folders), or with --dry-run
   bench/tiny.py's random models and character tokenizer.
 * `repeat(fn, repeats)`: a warm-up call, then `repeats` timed calls -> `Timing` (median, min,
-  max); `spread(values)` is the "min-max" cell the tables print beside a median.
+  max); `spread(values)` is the "min-max" cell the tables print beside a median, `figures(x)` a
+  number to 3 significant figures (milliseconds from under 1 to thousands).
 * `Progress(total)`: stderr lines with done/total and an ETA.
 * `record_path(name, args)` + `write_record(path, payload)`: bench/results/NAME-YYYYmmdd-HHMMSS.json
   (never overwritten) with the git commit (and whether the tree was dirty), library versions,
-  hardware and date in front of the script's payload.
+  hardware and date in front of the script's payload. A name reserved but never written is
+  removed when the process ends; each write replaces the file whole (an interrupted write
+  leaves the previous one).
+
+Not a script itself: `python bench/harness.py` says which to run.
 """
 import argparse
+import atexit
 import importlib.metadata
 import json
 import math
@@ -59,6 +67,17 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a duration or budget: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -174,18 +193,16 @@ class Parser(argparse.ArgumentParser):
             self.error(f"{what} cannot hold the results: {exc.strerror or exc}")
 
     def check_model(self, name: str, flag: str) -> None:
-        """`name` is a zoo name, a model folder or a hub id ("org/name"), else an argparse error."""
+        """`name` is a zoo name, a model folder or a hub id ("org/name"), else an argparse error:
+        csd_engine's own check (the CLI's: "did you mean" for a typo of a zoo name, a missing
+        path), then anything else that is neither a path nor "org/name"."""
         from csd_engine.models import zoo
-        if zoo.is_zoo_name(name):
-            return
-        path = Path(name).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                self.error(f"{flag} {name}: a folder but not a model folder (no config.json)")
-            return
-        if path.exists():
-            if path.suffix.lower() != ".gguf":
-                self.error(f"{flag} {name}: a file, not a model folder")
+        from csd_engine.models.loader import check_spec
+        try:
+            check_spec(name)
+        except ValueError as exc:
+            self.error(f"{flag}: {exc}")  # the message names the spec
+        if zoo.is_zoo_name(name) or Path(name).expanduser().exists():
             return
         if name.count("/") != 1 or name.startswith((".", "/", "~")):  # not a hub id "org/name" either
             self.error(f"{flag} {name}: no such model folder, and not a zoo name ({', '.join(zoo.MODELS)})")
@@ -329,12 +346,22 @@ def repeat(fn, repeats: int, warmup: int = 1):
     return out, Timing(seconds)
 
 
-def spread(values, fmt: str = ".2f") -> str:
-    """The min-max cell printed beside a median ("-" for a single measurement)."""
+def spread(values, fmt=".2f") -> str:
+    """The min-max cell printed beside a median ("-" for a single measurement); `fmt`: a format
+    spec or a function (`figures`)."""
     values = [v for v in values if v is not None]
     if len(set(values)) < 2:
         return "-"
-    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+    text = fmt if callable(fmt) else lambda v: format(v, fmt)
+    return f"{text(min(values))}-{text(max(values))}"
+
+
+def figures(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant figures without an exponent (0.0123, 1.23, 123, 1234): a
+    table cell that says something for a tiny model's 0.4 ms and a large one's 1200 ms alike."""
+    if not value or not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
 def progress(msg: str) -> None:
@@ -360,27 +387,59 @@ def _duration(seconds: float) -> str:
 
 
 # -- the JSON record ------------------------------------------------------------------------------
+_reserved: set[Path] = set()  # names record_path handed out and no write_record filled yet
+_written: list[Path] = []  # the records this process wrote, in order (run() names the last)
+
+
 def record_path(name: str, args: argparse.Namespace) -> Path:
     """(--out or bench/results)/NAME[-dry-run]-YYYYmmdd-HHMMSS.json (UTC), a new name even
-    within the same second."""
+    within the same second or beside another process: the file is created empty to hold the
+    name, and removed when the process ends if nothing was written to it (an interrupted run
+    leaves no empty file for bench/plot.py to trip on)."""
     out = Path(args.out or HERE / "results")
     out.mkdir(parents=True, exist_ok=True)
     name = name.replace("/", "_") + ("-dry-run" if args.dry_run else "")
     stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     path, n = out / f"{stem}.json", 1
-    while path.exists():
-        n += 1
-        path = out / f"{stem}-{n}.json"
-    path.touch()
+    while True:
+        try:
+            path.open("x").close()
+            break
+        except FileExistsError:
+            n += 1
+            path = out / f"{stem}-{n}.json"
+    _reserved.add(path)
     return path
+
+
+@atexit.register
+def _drop_unwritten() -> None:
+    """Removes the names reserved but never written (still empty)."""
+    for path in _reserved:
+        try:
+            if path.stat().st_size == 0:
+                path.unlink()
+        except OSError:
+            pass
+    _reserved.clear()
 
 
 def write_record(path: Path, payload: dict, args: argparse.Namespace | None = None) -> Path:
     """Writes the header (bench, date, git, versions, hardware, args) and `payload` to `path`
-    (rewritable: a long script may save after every section)."""
+    (rewritable: a long script may save after every section). The text goes to a temporary file
+    first, then replaces `path` whole: a write cut short (Ctrl-C) keeps the previous record."""
     record = {"bench": path.stem, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "git": git_state(),
               "versions": versions(), "hardware": hardware(), **({"args": vars(args)} if args else {}), **payload}
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    _reserved.discard(path)
+    if path not in _written:
+        _written.append(path)
     return path
 
 
@@ -431,6 +490,30 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def run(main, argv=None) -> None:
+    """A bench script's `if __name__ == "__main__"`: main(argv). Ctrl-C (SIGINT) ends it with
+    one line on stderr instead of a traceback, naming the JSON the run last wrote (a script that
+    saves as it goes, as compare.py after every round, keeps what it measured there), and exit
+    status 130 as a shell's interrupted command. Reserved but unwritten record names are removed
+    on the way out (record_path)."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        kept = f"; the results it saved so far are in {_written[-1]}" if _written else ""
+        print(f"{Path(sys.argv[0]).name}: interrupted{kept}", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def not_a_script(path: str) -> None:
+    """What a shared bench module says when run as a script: what it is and what to run
+    instead (exit status 2)."""
+    scripts = sorted(p.name for p in HERE.glob("*.py") if p.stem not in ("__init__", "harness", "common", "tiny"))
+    print(f"{Path(path).name} is a module the bench scripts share, not a benchmark: run one of bench/"
+          + ", bench/".join(scripts) + " (each says what it measures in --help; README.md, Running the benchmarks)",
+          file=sys.stderr)
+    sys.exit(2)
+
+
 def finish(path: Path, args: argparse.Namespace) -> None:
     """Says where the JSON went and draws its pictures beside it (bench/plot.py)."""
     print(f"\nwrote {path}")
@@ -439,3 +522,7 @@ def finish(path: Path, args: argparse.Namespace) -> None:
     from bench import plot
     for picture in plot.draw(path):
         print(f"wrote {picture}")
+
+
+if __name__ == "__main__":
+    not_a_script(__file__)

@@ -18,9 +18,9 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
   Cascade.auto() (highlighted).
 * autoregressive JSON -> X-tokens.png: tokens/s per method.
 
-A file that is not JSON, or JSON none of these pictures is drawn from, is an error (exit 1)
-after the others are drawn. Needs matplotlib (in requirements-ci.txt); without it, says so and
-draws nothing.
+Every file that can be read is drawn; one that cannot (missing, empty, not JSON) or that none
+of these pictures is drawn from is named, and the exit status is then 1. Needs matplotlib (in
+requirements-ci.txt); without it, says so and draws nothing.
 """
 import json
 import sys
@@ -351,31 +351,44 @@ def save(fig, png: Path) -> Path:
 
 
 def main(argv=None):
-    """Draws every file's pictures; files that cannot be read as JSON are refused before any is
-    drawn, and a file with nothing to draw makes the exit status 1 after the others."""
+    """Draws every readable file's pictures; then exit status 1 naming the files that could not be
+    read as a bench JSON or had nothing to draw, if any."""
     import argparse
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="bench JSON files")
-    paths = ap.parse_args(argv).json
-    for json_path in paths:
+    unreadable, undrawn = [], []
+    for json_path in ap.parse_args(argv).json:
+        why, text = None, ""
         try:
-            data = json.loads(Path(json_path).read_text())
-        except (OSError, ValueError) as exc:
-            ap.error(f"{json_path}: not a readable JSON file ({exc})")
-        if not isinstance(data, dict):
-            ap.error(f"{json_path}: not a bench JSON (a JSON object with the script's results)")
-    undrawn = []
-    for json_path in paths:
+            text = Path(json_path).read_text()
+            data = json.loads(text)
+        except OSError as exc:
+            why = f"cannot be read ({exc.strerror or exc})"
+        except ValueError as exc:
+            why = f"not JSON ({exc})" if text.strip() else "an empty file"
+        else:
+            if not isinstance(data, dict):
+                why = "not a bench JSON (a JSON object with the script's results)"
+        if why:
+            print(f"{json_path}: {why}", file=sys.stderr)
+            unreadable.append(json_path)
+            continue
         pictures = draw(json_path)
         for picture in pictures:
             print(f"wrote {picture}")
         if not pictures:
             undrawn.append(json_path)
+    problems = []
+    if unreadable:
+        problems.append(f"could not read {', '.join(unreadable)} (above)")
     if undrawn:
-        sys.exit(f"no picture drawn from {', '.join(undrawn)}: the data it needs is not there (above), or it is "
-                 "not the JSON of a bench script this draws (compare, gpu, forward_cost, serve, host_work, "
-                 "draft_policy, tune, autoregressive)")
+        problems.append(f"no picture drawn from {', '.join(undrawn)}: the data it needs is not there (above), or it "
+                        "is not the JSON of a bench script this draws (compare, gpu, forward_cost, serve, host_work, "
+                        "draft_policy, tune, autoregressive)")
+    if problems:
+        sys.exit("; ".join(problems))
 
 
 if __name__ == "__main__":
-    main()
+    from bench import harness
+    harness.run(main)

@@ -16,7 +16,8 @@ time to first token (TTFT, from sending), inter-token latency (ITL: the gaps bet
 carry tokens; a speculative step delivers several at once), and output tokens/s over the whole
 run; from the server's /metrics, the drafts' acceptance. Then the same prompts go through
 `engine.scheduler` in this process (all queued at once, same rows): offline tokens/s, and
-whether the greedy outputs are identical. JSON: bench/results/serve-*.json.
+whether the greedy outputs are identical. JSON: bench/results/serve-*.json, rewritten after each
+strategy (a run cut short keeps the strategies it measured).
 
 --synthetic (for a lent GPU, which has no weights and no hub): the target is bench/gpu.py's
 random bf16 Llama-2-7B-shaped model (its layers past the drafter's scaled so that they only
@@ -240,8 +241,6 @@ def check_args(ap, args) -> list[str]:
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     except ValueError as exc:
         ap.error(f"--temperature {args.temperature:g}: {exc}")
-    if not args.startup_timeout > 0:
-        ap.error(f"--startup-timeout must be a number of seconds > 0, got {args.startup_timeout:g}")
     if args.url:
         import httpx
         try:
@@ -276,12 +275,14 @@ def parser():
                     help="bench/gpu.py's random Llama-2-7B-shaped target and its first layers as drafter (a GPU "
                          "without weights); with --dry-run its tiny shape")
     ap.add_argument("--temperature", type=harness.non_negative_float, default=0.0,
-                    help="0: greedy, outputs compared with offline")
-    ap.add_argument("--seed", type=int, default=0, help="arrival times (and sampling, at a temperature)")
+                    help="sampling temperature; 0: greedy, outputs compared with offline (default 0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the arrival times (and of sampling, at a temperature; default 0)")
     ap.add_argument("--url", default=None,
                     help="a running server to measure instead of starting one per strategy; --strategy (at most one) "
                          "then names what it runs, for the offline reference")
-    ap.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for a server's /health")
+    ap.add_argument("--startup-timeout", type=harness.positive_float, default=900.0,
+                    help="seconds to wait for a server's /health (default 900)")
     return ap
 
 
@@ -317,13 +318,14 @@ def main(argv=None):
     engine = csd_engine.Engine(target, drafters=drafters, dtype=harness.DTYPES[args.dtype],
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                                batch_invariant=args.batch_invariant)
+    path = harness.record_path(f"serve-{Path(args.target).name}-{args.dtype}", args)
     rows, progress = [], harness.Progress(len(specs))
     for spec in specs:
         server = None
-        if args.url is None:
-            server = Server(args, target, drafters, spec, Path(work.name) / f"server-{len(rows)}.log")
-            harness.progress(f"{spec}: starting the server")
         try:
+            if args.url is None:
+                server = Server(args, target, drafters, spec, Path(work.name) / f"server-{len(rows)}.log")
+                harness.progress(f"{spec}: starting the server")
             url = args.url or server.url
             if server:
                 server.wait(args.startup_timeout)
@@ -351,6 +353,7 @@ def main(argv=None):
         row["per_request"] = [{k: r.get(k) for k in ("error", "ttft_s", "itl_s")} | {"tokens": len(r.get("tokens", []))}
                               for r in results]
         rows.append(row)
+        harness.write_record(path, {"rows": rows}, args)  # a run cut short keeps the strategies done
         progress.step(f"{spec}: {row['tokens_per_s'] or 0:.1f} tokens/s served, TTFT p50 "
                       f"{row['ttft_p50_ms'] or 0:.0f} ms, {row['errors']} errors")
 
@@ -366,11 +369,9 @@ def main(argv=None):
                        ("itl_p99_ms", "ITL p99 ms", ".1f"), ("acceptance", "acceptance", ".2f"),
                        ("offline_tokens_per_s", "offline tokens/s", ".1f"),
                        ("identical_to_offline", "= offline", "d"), ("errors", "errors", "d")])
-    path = harness.record_path(f"serve-{Path(args.target).name}-{args.dtype}", args)
-    harness.write_record(path, {"rows": rows}, args)
     harness.finish(path, args)
     work.cleanup()
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -71,3 +71,10 @@ def save_pair(folder) -> tuple[str, str]:
     tiny_tokenizer().save_pretrained(paths[0])
     perturbed(target).save_pretrained(paths[1])
     return str(paths[0]), str(paths[1])
+
+
+if __name__ == "__main__":  # a module, not a script: say which to run
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.harness import not_a_script
+    not_a_script(__file__)

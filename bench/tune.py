@@ -2,7 +2,7 @@
 
     python bench/tune.py                         # 1.5B <- 0.5B <- MaG, bf16, 3 prompts x 48 tokens
     python bench/tune.py --prompts 2 --max-new-tokens 32 --quick
-    python bench/tune.py --dry-run               # tiny random models, the quick grid: proves it runs
+    python bench/tune.py --dry-run               # tiny random models, one point of each kind: proves it runs
     python bench/tune.py --quantize int4 --a 2,4,6 --b 2,4,8 --m 4 --lenience-values 2,3
                                                  # an int4 drafter, a grid of your own
 
@@ -14,7 +14,9 @@ given: its rows choose their budgets from what they count while decoding, which 
 time includes. The table ends with auto's tokens/s as a fraction of the best grid point's. Grid
 points whose K could not decode (a = b = 0: the target would get no draft) are skipped, and said
 so. The JSON goes to bench/results/tune-*.json, its picture (tokens/s per configuration,
-Cascade.auto() highlighted) beside it.
+Cascade.auto() highlighted) beside it. A dry run cuts each part of the quick grid that the
+command line leaves out (--a, --b, --m, --lenience-values; Speculative's k, MaG-only's K) to its
+first value; the values given, or the whole quick grid with --quick, run as given.
 """
 import itertools
 import math
@@ -40,14 +42,15 @@ def grid_size(values: dict) -> int:
     return len(values["k"]) + len(values["mag"]) + math.prod(len(values[key]) for key in ("a", "b", "m", "lenience"))
 
 
-def grid(args) -> tuple[list[tuple[str, object, bool]], list[str]]:
+def grid(args, first_only: bool = False) -> tuple[list[tuple[str, object, bool]], list[str]]:
     """(configurations, skipped). Configurations: (label, strategy, uses the MaG-only engine):
     Speculative and MaG-only points, then the cascade's K = [[a, b], [0, m]] x lenience (the
-    options' values, or the quick or full default grid). Skipped: the cascade points that could
-    not decode with [0.5B, MaG] (a = b = 0 drafts nothing), each with the reason. A value no
-    strategy takes (lenience < 1, m = 0) is a ValueError."""
+    options' values, or the quick or full default grid; `first_only`: the default grid's first
+    value of each, a dry run's few points). Skipped: the cascade points that could not decode
+    with [0.5B, MaG] (a = b = 0 drafts nothing), each with the reason. A value no strategy takes
+    (lenience < 1, m = 0) is a ValueError."""
     drafter = f"0.5B {args.quantize}" if args.quantize else "0.5B"
-    values = QUICK if args.quick else FULL
+    values = {key: v[:1] if first_only else v for key, v in (QUICK if args.quick else FULL).items()}
     configs = [(f"Speculative({drafter}, k={k})", Speculative(k=k, drafter=0), False) for k in values["k"]]
     configs += [(f"Cascade(MaG, K=[[{m}]])", Cascade(k_matrix=[[m]], mag_tokens=m), True) for m in values["mag"]]
     given = (args.a, args.b, args.m, args.lenience_values)
@@ -70,7 +73,7 @@ def main(argv=None):
                         target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", dtype="bfloat16",
                         max_new_tokens=48, repeats=1, prompts_file=None)
     ap.add_argument("--prompts", type=harness.positive_int, default=3,
-                    help="prompts from bench/prompts.json (one per category first)")
+                    help="prompts from bench/prompts.json (one per category first; default 3)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a small grid: {grid_size(QUICK)} configurations instead of {grid_size(FULL)} "
                          "(Autoregressive and Cascade.auto() run beside either); --a, --b, --m and --lenience-values "
@@ -85,8 +88,8 @@ def main(argv=None):
     ap.add_argument("--lenience-values", type=harness.numbers(float, 1), default=None,
                     help="comma-separated lenience values")
     args = ap.parse_args(argv)
-    try:
-        configs, skipped = grid(args)
+    try:  # a dry run: the options left out take one value each (the default grid's first)
+        configs, skipped = grid(args, first_only=args.dry_run and "quick" not in ap.given)
     except ValueError as exc:
         ap.error(f"bad grid values: {exc}")
     if not any(label.startswith("Cascade(0.5B") for label, _, _ in configs):
@@ -111,11 +114,6 @@ def main(argv=None):
                                    max_seq_len=capacity, tokenizer=tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     reference = [engine.generate([ids], params)[0].token_ids for ids in encoded]  # plain greedy (also a warm-up)
-    if args.dry_run:  # the first configuration of each kind
-        kinds = {}
-        for label, strategy, mag_only in configs:
-            kinds.setdefault((label.split("(")[0], mag_only), (label, strategy, mag_only))
-        configs = list(kinds.values())
     progress = harness.Progress(len(configs) + 2)
 
     def measure(label, strategy, mag_only):
@@ -161,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

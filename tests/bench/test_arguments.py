@@ -1,14 +1,18 @@
 """The bench scripts refuse bad input as argparse errors (exit status 2, a message naming the
 problem) while parsing, before any model loads: in process, no models."""
+import argparse
 import dataclasses
 import json
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
 from bench import autoregressive, compare, draft_policy, forward_cost, gpu, host_work, plot, serve, tune
 from bench.draft_policy import Trace
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def refused(capsys, call, *argv) -> str:
@@ -49,7 +53,11 @@ def test_compare_builds_every_method_strategy_while_parsing(argv, message, capsy
     (["--categories", "qa,poetry"], "no prompts of categories ['poetry']"),
     (["--prompts-file", "/nonexistent/mine.json"], "cannot read prompts from /nonexistent/mine.json"),
     (["--out", "/proc/nope"], "--out /proc/nope cannot hold the results"),
-    (["--target", "/nonexistent"], "--target /nonexistent: no such model folder, and not a zoo name"),
+    (["--target", "/nonexistent"], "--target: '/nonexistent': no such file or folder"),
+    (["--target", "qwen2.5-coder-1.5"], "--target: 'qwen2.5-coder-1.5' is not a model: did you mean "
+                                        "'qwen2.5-coder-1.5b'?"),
+    (["--drafter", "Qwen2.5-Coder-0.5B"], "did you mean 'qwen2.5-coder-0.5b'?"),
+    (["--target", str(ROOT / "bench")], f"--target: '{ROOT / 'bench'}' is a folder but not a model folder"),
     (["--drafter", "qwen-typo"], "--drafter qwen-typo: no such model folder, and not a zoo name"),
 ])
 def test_shared_options_are_checked_while_parsing(argv, message, capsys):
@@ -88,6 +96,8 @@ def test_dry_run_values_give_way_to_the_options_given(tmp_path):
     (["--clients", "0"], "argument --clients: expected an int >= 1, got 0"),
     (["--requests", "0"], "argument --requests: expected an int >= 1, got 0"),
     (["--rate", "-1"], "argument --rate: expected a finite number >= 0, got '-1'"),
+    (["--startup-timeout", "0"], "argument --startup-timeout: expected a finite number > 0, got '0'"),
+    (["--target", "qwen2.5-coder-1.5"], "did you mean 'qwen2.5-coder-1.5b'?"),
     (["--url", "http://127.0.0.1:9", "--strategy", "autoregressive", "--strategy", "speculative"],
      "give at most one --strategy"),
     (["--url", "http://127.0.0.1:9", "--dry-run"], "--url measures a running server"),
@@ -137,8 +147,9 @@ def test_tune_quick_help_counts_its_grid(capsys):
     (forward_cost.main, ["--ns", "0,1"], "argument --ns: expected comma-separated ints >= 1, each once; got '0,1'"),
     (forward_cost.main, ["--ns", "2,4"], "--ns must include 1"),
     (forward_cost.main, ["--context", "0"], "argument --context: expected an int >= 1, got 0"),
-    (forward_cost.main, ["--models", "/nonexistent"], "--models /nonexistent: no such model folder"),
-    (forward_cost.main, ["--drafters", "/nonexistent:int4"], "--drafters /nonexistent: no such model folder"),
+    (forward_cost.main, ["--models", "/nonexistent"], "--models: '/nonexistent': no such file or folder"),
+    (forward_cost.main, ["--models", "smollm2-135"], "did you mean 'smollm2-135m'?"),
+    (forward_cost.main, ["--drafters", "/nonexistent:int4"], "--drafters: '/nonexistent': no such file or folder"),
     (host_work.main, ["--batches", "1,x"], "argument --batches: expected comma-separated ints >= 1"),
     (host_work.main, ["--batches", "0"], "argument --batches: expected comma-separated ints >= 1"),
     (host_work.main, ["--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
@@ -146,9 +157,27 @@ def test_tune_quick_help_counts_its_grid(capsys):
     (autoregressive.main, ["--prompts", "0"], "argument --prompts: expected an int >= 1, got 0"),
     (autoregressive.main, ["--prompts", "99"], "--prompts 99: bench/prompts.json has 31"),
     (gpu.main, ["--sections", "verify,foo"], "argument --sections: expected comma-separated names out of verify"),
+    (gpu.main, ["--budget-s", "-5"], "argument --budget-s: expected a finite number > 0, got '-5'"),
+    (gpu.main, ["--budget-s", "0"], "argument --budget-s: expected a finite number > 0, got '0'"),
+    (gpu.main, ["--residual-scale", "-1"], "argument --residual-scale: expected a finite number >= 0, got '-1'"),
+    (tune.main, ["--target", "qwen2.5-coder-1.5"], "did you mean 'qwen2.5-coder-1.5b'?"),
 ])
 def test_other_scripts_refuse_bad_values(call, argv, message, capsys):
     assert message in refused(capsys, call, *argv)
+
+
+def test_gpu_skips_the_sections_past_its_budget(tmp_path, capsys):
+    """--budget-s is checked before every section: once it is spent, each section left is
+    recorded as skipped, saying why (in process: nothing runs)."""
+    import torch
+
+    gpu.main(["--dry-run", "--budget-s", "1e-9", "--sections", "verify,pearl", "--threads",
+              str(torch.get_num_threads()), "--no-plot", "--out", str(tmp_path)])
+    [path] = tmp_path.glob("gpu-dry-run-*.json")
+    sections = json.loads(path.read_text())["sections"]
+    assert list(sections) == ["copy_bandwidth", "verify_kernel", "pearl"]
+    assert all(section["skipped"].startswith("--budget-s 1e-09: 0 s spent") for section in sections.values())
+    assert "pearl: skipped (--budget-s 1e-09" in capsys.readouterr().out
 
 
 def test_forward_cost_is_relative_to_the_one_token_forward_wherever_it_is_in_ns():
@@ -187,16 +216,48 @@ def test_draft_policy_replay_takes_the_recordings_args_and_refuses_others(tmp_pa
             in refused(capsys, draft_policy.parse_args, "--replay", str(other)))
 
 
-def test_plot_refuses_files_it_cannot_read_or_draw(tmp_path, capsys):
-    assert "not a readable JSON file" in refused(capsys, plot.main, str(tmp_path / "none.json"))
-    text = tmp_path / "text.json"
+def test_plot_draws_what_it_can_read_then_names_the_rest(tmp_path, capsys):
+    """An empty JSON (a run cut short before it wrote) or a file that is not JSON does not stop the
+    others from being drawn: they are named after, with exit status 1."""
+    recorded = tmp_path / "gpu.json"
+    recorded.write_text((ROOT / "bench" / "measured" / "gpu-h100-2026-11-22-run1.json").read_text())
+    empty, text, other = tmp_path / "empty.json", tmp_path / "text.json", tmp_path / "other.json"
+    empty.write_text("")
     text.write_text("not JSON")
-    assert f"{text}: not a readable JSON file" in refused(capsys, plot.main, str(text))
-    other = tmp_path / "other.json"
     other.write_text(json.dumps({"rows": [{"x": 1}]}))
-    with pytest.raises(SystemExit) as exc:  # drawn nothing: exit status 1, saying so
-        plot.main([str(other)])
-    assert isinstance(exc.value.code, str) and f"no picture drawn from {other}" in exc.value.code
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(empty), str(tmp_path / "none.json"), str(recorded), str(text), str(other)])
+    assert (tmp_path / "gpu-step-split.png").is_file()
+    message = exc.value.code  # a message: exit status 1
+    assert isinstance(message, str) and f"could not read {empty}, {tmp_path / 'none.json'}, {text}" in message
+    assert f"no picture drawn from {other}" in message
+    err = capsys.readouterr().err
+    assert f"{empty}: an empty file" in err and f"{text}: not JSON" in err
+    with pytest.raises(SystemExit) as exc:  # no file at all: a usage error
+        plot.main([])
+    assert exc.value.code == 2
+
+
+def test_every_option_with_a_default_says_it_in_help(monkeypatch):
+    """--help shows each option's default (flags that are off by default aside)."""
+    parsers = {}
+
+    def caught(self, args=None, namespace=None):
+        parsers[script] = self
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    for script, call in (("autoregressive", autoregressive.main), ("compare", compare.parse_args),
+                         ("draft_policy", draft_policy.parse_args), ("forward_cost", forward_cost.main),
+                         ("gpu", gpu.main), ("host_work", host_work.main), ("plot", plot.main), ("serve", serve.main),
+                         ("tune", tune.main)):
+        with pytest.raises(SystemExit):
+            call([])
+    assert len(parsers) == 9
+    missing = [f"{script} {action.option_strings[-1]}" for script, parser in parsers.items()
+               for action in parser._actions if action.option_strings
+               and action.default not in (None, False, argparse.SUPPRESS) and "default" not in (action.help or "")]
+    assert missing == [], missing
 
 
 def test_compare_without_speculative_methods_says_so(tmp_path, capsys):

@@ -1,6 +1,9 @@
 """The bench harness and prompts, in process (no models but the tiny ones)."""
 import argparse
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -50,9 +53,52 @@ def test_record_names_never_repeat_and_carry_the_header(tmp_path):
     first, second = harness.record_path("x", args), harness.record_path("x", args)
     assert first != second and first.name.startswith("x-dry-run-")
     harness.write_record(first, {"rows": []}, args)
+    harness.write_record(first, {"rows": [1]}, args)  # rewritten whole, through a temporary file
     record = first.read_text()
     for key in ('"git"', '"commit"', '"dirty"', '"versions"', '"transformers"', '"csd_engine"', '"hardware"', '"date"'):
         assert key in record
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])
+
+
+def test_ctrl_c_ends_a_script_with_one_line_and_status_130(monkeypatch, capsys):
+    def main(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["bench/x.py"])
+    monkeypatch.setattr(harness, "_written", [])
+    with pytest.raises(SystemExit) as exc:
+        harness.run(main)
+    assert exc.value.code == 130 and capsys.readouterr().err == "x.py: interrupted\n"
+
+
+INTERRUPTED = """
+import argparse, sys
+from bench import harness
+args = argparse.Namespace(out=sys.argv[1], dry_run=True)
+
+def main(argv=None):
+    harness.write_record(harness.record_path("kept", args), {"rounds_done": 1}, args)
+    harness.record_path("never-written", args)  # reserved, then the run is cut short
+    raise KeyboardInterrupt
+
+harness.run(main)
+"""
+
+
+def test_an_interrupted_run_names_what_it_saved_and_leaves_no_empty_record(tmp_path):
+    """In a process of its own: the empty file that held a name is gone once the process ends."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    [kept] = tmp_path.glob("*.json")
+    assert kept.name.startswith("kept-dry-run-") and '"rounds_done": 1' in kept.read_text()
+    assert done.returncode == 130 and done.stderr.splitlines() == [
+        f"-c: interrupted; the results it saved so far are in {kept}"], done.stderr
+
+
+def test_figures_keep_three_significant_digits():
+    assert [harness.figures(v) for v in (0.0123456, 0.5, 1.23456, 45.67, 123.4, 1234.5, 0.0)] == [
+        "0.0123", "0.500", "1.23", "45.7", "123", "1234", "0"]
+    assert harness.spread([0.12, 0.3456], harness.figures) == "0.120-0.346"
 
 
 def test_repeat_and_spread():
@@ -116,6 +162,18 @@ def test_tune_grid_takes_the_values_given():
     labels = [label for label, _, _ in configs if label.startswith("Cascade(0.5B")]
     assert labels == ["Cascade(0.5B int4+MaG, K=[[3,8],[0,4]], l=2)",
                       "Cascade(0.5B int4+MaG, K=[[4,8],[0,4]], l=2)"] and skipped == []
+
+
+def test_tune_dry_run_grid_cuts_only_the_values_not_given():
+    """`--dry-run --a 2,3,4 --b 2,4,8`: all nine (a, b) points, m and lenience at the quick grid's
+    first value, one Speculative and one MaG-only point."""
+    args = argparse.Namespace(quick=True, quantize=None, a=[2, 3, 4], b=[2, 4, 8], m=None, lenience_values=None)
+    configs, skipped = tune.grid(args, first_only=True)
+    labels = [label for label, _, _ in configs]
+    assert labels[:2] == ["Speculative(0.5B, k=2)", "Cascade(MaG, K=[[8]])"] and skipped == []
+    assert labels[2:] == [f"Cascade(0.5B+MaG, K=[[{a},{b}],[0,4]], l=1)" for a in (2, 3, 4) for b in (2, 4, 8)]
+    full = argparse.Namespace(quick=True, quantize=None, a=None, b=None, m=None, lenience_values=None)
+    assert len(tune.grid(full, first_only=True)[0]) == 3 and len(tune.grid(full)[0]) == tune.grid_size(tune.QUICK)
 
 
 class Runner:

@@ -106,13 +106,16 @@ def test_forward_cost_dry_run(tmp_path):
 
 
 def test_tune_dry_run(tmp_path):
-    """The quick grid's first point of each kind, a point that could not decode skipped (and
-    recorded as such), and the picture of tokens/s per configuration."""
+    """Every (a, b) given, the grid's other values at the quick grid's first (one Speculative and
+    one MaG-only point, m = 4, l = 1), a point that could not decode skipped (and recorded as
+    such), and the picture of tokens/s per configuration."""
     run("bench/tune.py", "--dry-run", "--a", "0,2", "--b", "0,4", "--out", str(tmp_path))
     record = only_json(tmp_path, "tune")
-    assert record["auto"]["tokens_per_s"] > 0 and len(record["rows"]) == 3
-    assert [reason.split(":")[0] for reason in record["skipped"]] == ["Cascade(0.5B+MaG, K=[[0,0],[0,4]], l=1)",
-                                                                       "Cascade(0.5B+MaG, K=[[0,0],[0,4]], l=2)"]
+    assert record["auto"]["tokens_per_s"] > 0
+    assert sorted(row["config"] for row in record["rows"]) == [
+        "Cascade(0.5B+MaG, K=[[0,4],[0,4]], l=1)", "Cascade(0.5B+MaG, K=[[2,0],[0,4]], l=1)",
+        "Cascade(0.5B+MaG, K=[[2,4],[0,4]], l=1)", "Cascade(MaG, K=[[8]])", "Speculative(0.5B, k=2)"]
+    assert [reason.split(":")[0] for reason in record["skipped"]] == ["Cascade(0.5B+MaG, K=[[0,0],[0,4]], l=1)"]
     assert list(tmp_path.glob("tune-*-configs.png"))
 
 
@@ -168,13 +171,16 @@ def test_host_work_dry_run(tmp_path):
 
 def test_gpu_dry_run_on_the_cpu(tmp_path):
     """gpu.py's dry run: tiny shapes on the CPU, its kernels in Triton's interpreter (the copy
-    bandwidth, the verification kernel and the quantized drafter: the others take a minute there)."""
-    run("bench/gpu.py", "--dry-run", "--sections", "verify,quantized_drafter", "--out", str(tmp_path))
+    bandwidth, the verification kernel, the quantized drafter and PEARL's two sides at once:
+    the whole dry run takes about 40 s)."""
+    run("bench/gpu.py", "--dry-run", "--sections", "verify,quantized_drafter,pearl", "--out", str(tmp_path))
     record = only_json(tmp_path, "gpu")
     assert isinstance(record["sections"]["verify_kernel"], list), record["sections"]["verify_kernel"]
     timed = {(r["scheme"], r["batch"], r["n"]) for r in record["sections"]["quantized_drafter"] if "graph_ms" in r}
-    assert {("bf16", 1, 1), ("int8", 8, 5), ("int4g32", 8, 5)} <= timed, record["sections"]["quantized_drafter"]
+    assert {("bf16", 1, 1), ("int8", 2, 5), ("int4g32", 2, 5)} <= timed, record["sections"]["quantized_drafter"]
     assert record["sections"]["copy_bandwidth"]["gb_per_s"] > 0
+    [pearl] = [row for row in record["sections"]["pearl"] if row["strategy"].startswith("Pearl")]
+    assert pearl["concurrent_ms"] > 0 and pearl["overlap"] <= 1.2, pearl  # a share of the shorter side
 
 
 def test_plot_redraws_recorded_json(tmp_path):
