@@ -60,26 +60,37 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def _check_forwards(self) -> None:
-        """Refuse, by name, a model that cannot run here exactly: a three-token forward (as a
-        verification runs it: a transformers cache, a 4-D additive mask, explicit positions) must
-        give the logits of three one-token forwards. Architectures without a KV cache, or that
-        read the mask otherwise, fail this instead of decoding wrongly."""
+        """Refuse, by name, a model that cannot run here exactly, checked on three tokens in the
+        form a verification forward takes (a transformers cache, a 4-D additive mask, explicit
+        positions): the forward must run; the first token's logits must not depend on the tokens
+        after it (the mask is taken as causal masking, in any dtype); and in float32, where
+        rounding cannot hide a difference, its logits must be those of three one-token forwards
+        over the cache. Architectures without a KV cache, or that read the mask otherwise, fail
+        here instead of decoding wrongly."""
         name = f"model_type {getattr(self.model.config, 'model_type', type(self.model).__name__)!r}"
         ids = (torch.arange(1, 4, device=self.device) % self.vocab_size)[None]
+        changed = torch.cat([ids[:, :1], (ids[:, 1:] + 3) % self.vocab_size], 1)  # the same first token only
+
+        def new_cache():
+            return DynamicCache(config=self.model.config)
         try:
-            whole = self._forward_from(DynamicCache(config=self.model.config), ids, 0)
-            cache = DynamicCache(config=self.model.config)
+            whole = self._forward_from(new_cache(), ids, 0)
+            later = self._forward_from(new_cache(), changed, 0)
+            cache = new_cache()
             steps = torch.cat([self._forward_from(cache, ids[:, i:i + 1], i) for i in range(3)], 1)
         except Exception as exc:
             raise ValueError(f"{name} cannot run on csd_engine's generic runner: a forward over a cached prefix "
                              f"with a 4-D attention mask failed ({type(exc).__name__}: {exc})") from exc
-        scale = 1.0 + float(steps.abs().max())
+        tolerance = 1e-3 * (1.0 + float(steps.abs().max()))
+        leak = float((whole[:, 0] - later[:, 0]).abs().max())
+        if not leak <= tolerance:  # NaN fails too
+            raise ValueError(f"{name} cannot run on csd_engine's generic runner exactly: a token's logits change "
+                             f"with the tokens after it (by {leak:.3g}), so its attention does not take the runner's "
+                             "4-D mask as causal masking and a verification would not be plain decoding")
         error = float((whole - steps).abs().max())
-        if not error <= (1e-3 if self.model.dtype == torch.float32 else 3e-2) * scale:  # NaN fails too
+        if self.model.dtype == torch.float32 and not error <= tolerance:
             raise ValueError(f"{name} cannot run on csd_engine's generic runner exactly: one three-token forward "
-                             f"gives other logits than three one-token forwards (by {error:.3g}), so its attention "
-                             "does not take the runner's 4-D mask as causal masking and a verification would not "
-                             "be plain decoding")
+                             f"gives other logits than three one-token forwards over its cache (by {error:.3g})")
 
     def _forward_from(self, cache: DynamicCache, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None,
                       new_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,3 +75,15 @@ def test_direct_rows_verify_long_verbatim_copies_in_a_ragged_batch(smollm2):
     neural_bound = strategy.decoder(engine._decoder_models()).max_draft
     assert neural_bound < 12 and sum(fast[0].metrics.accepted_per_position[neural_bound:]) > 0, \
         fast[0].metrics.accepted_per_position
+
+
+@pytest.mark.slow
+def test_the_generic_runner_takes_a_real_half_precision_model(smollm2):
+    """The generic runner's load check must not refuse a real model for rounding: in bfloat16,
+    SmolLM2's logits over its special tokens 1-3 differ by 7.5 between one three-token forward
+    and three one-token ones (its kernels round otherwise per call shape), which only a float32
+    model is held to; the causal check (a token's logits ignore later tokens) holds exactly."""
+    for dtype in (torch.bfloat16, torch.float16):
+        engine = Engine(smollm2, native=False, dtype=dtype, max_batch_size=1, max_seq_len=64, verify_backend="torch")
+        assert type(engine.target).__name__ == "HFRunner"
+        assert len(engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids) == 4
