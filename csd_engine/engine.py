@@ -134,7 +134,8 @@ class Engine:
     def _sequence_limit(self, requested: int | None) -> int:
         """max_seq_len as asked, or by default DEFAULT_MAX_SEQ_LEN or less where a model's limit
         comes first. A sliding window: full attention (csd_engine's) equals the window's while the
-        sequence and its drafts' HEADROOM fit in it. A learned position table: no position past it."""
+        sequence and its drafts' HEADROOM fit in it. A learned position table, or rotary frequencies
+        that change past a length (runner.position_limit): no position past it."""
         limits = []
         for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
                                 [self.target, *self.drafters]):

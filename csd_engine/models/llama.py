@@ -47,14 +47,13 @@ NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 def unsupported(cfg) -> str | None:
     """Why the native runner cannot run a model of a native type, or None: it computes a
-    SiLU-gated MLP without biases, rotary frequencies fixed at load, from dense weights."""
+    SiLU-gated MLP without biases from dense weights. Rotary frequencies are the model's at load:
+    where transformers changes them past a length (dynamic NTK, LongRoPE), the engine keeps the
+    sequence below it (runner.position_limit)."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (its MLP is SiLU-gated)"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases (mlp_bias=True)"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) == "dynamic":
-        return "rope_type 'dynamic' (its frequencies change with the sequence's length)"
     if getattr(cfg, "quantization_config", None):
         return "a quantized checkpoint (quantization_config: its layers hold scales the native runner does not read)"
     return None
@@ -133,8 +132,8 @@ class LlamaRunner(Runner):
         self.layer_params = [sum(p.numel() for p in layer.parameters()) for layer in hf_model.model.layers]
         self.quantize = quantize
         rotary = hf_model.model.rotary_emb
-        # the frequencies at load (transformers swaps `inv_freq` for LongRoPE's long factors while a
-        # forward runs past the original length); the sequence stays below it (position_limit)
+        # the frequencies at load (transformers swaps `inv_freq` while a forward runs past a length:
+        # dynamic NTK's rescaled, LongRoPE's long factors); the sequence stays below it (position_limit)
         self.inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq).detach().to(self.device, torch.float32)
         self.position_limit = position_limit(hf_model)
         self.rope_scaling = float(rotary.attention_scaling)

@@ -5,7 +5,7 @@ Hugging Face folder, a `.gguf` file (dequantized exactly as the zoo converts its
 id when a hub is reachable (`org/name`, or `org/name@revision` for a branch, tag or commit), an
 already-loaded `transformers` causal LM, or a `Runner`; a path may be a `pathlib.Path` or start
 with `~`. Llama-family models get the native runner, but for what it cannot compute
-(`llama.unsupported`: a non-SiLU MLP, dynamic RoPE, a quantized checkpoint's layers);
+(`llama.unsupported`: a non-SiLU MLP, MLP biases, a quantized checkpoint's layers);
 everything else the generic one. Without
 a network, a hub id loads from the local hub cache only. Each loaded runner carries
 `eos_token_ids`.
@@ -109,7 +109,7 @@ def check_model_name(spec: str) -> None:
             raise ValueError(f"{spec!r} is a folder but not a model folder (no config.json)")
     elif os.path.exists(spec):
         raise ValueError(f"{spec!r} is a file but not a model: pass a model folder or a .gguf file")
-    elif spec.startswith(("/", "./", "../", "~")) or os.sep != "/" and spec.startswith(os.sep):
+    elif spec.startswith(("/", "./", "../", "~")):
         raise ValueError(f"{spec!r}: no such file or folder (a model folder, a .gguf file, a zoo name or a hub id)")
     else:
         near = difflib.get_close_matches(spec.lower(), [*zoo.MODELS, "mag"], n=1, cutoff=0.8)

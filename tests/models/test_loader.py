@@ -189,8 +189,9 @@ def test_rope_that_changes_with_length_bounds_max_seq_len(rope):
     forward reaches past a length (400 here): a verification forward there would rotate its
     tokens otherwise than one-token decoding does, so max_seq_len stays below it (refused by
     name above it, the largest that fits by default). Below it every strategy is plain
-    decoding and transformers' own greedy output; the native runner (LongRoPE) takes the
-    frequencies of the model as loaded, also after transformers ran it past the length."""
+    decoding and transformers' own greedy output, on the native runner and the generic one; the
+    native runner takes the frequencies of the model as loaded, also after transformers ran it
+    past the length."""
     from csd_engine import Autoregressive, Speculative
     from csd_engine.models.hf import HFRunner
     from csd_engine.scheduler import HEADROOM
@@ -209,17 +210,15 @@ def test_rope_that_changes_with_length_bounds_max_seq_len(rope):
     limit = 400 - HEADROOM
     with pytest.raises(ValueError, match=rf"{words} .*past 400 positions.*max_seq_len must be at most {limit}"):
         Engine(model, max_batch_size=1, max_seq_len=limit + 1)
-    engine = Engine(model, drafters=["mag"], max_batch_size=1)
-    assert engine.max_seq_len == limit
-    assert isinstance(engine.target, HFRunner if rope == "dynamic" else LlamaRunner)
-    if rope == "dynamic":
-        with pytest.raises(ValueError, match="rope_type 'dynamic'"):
-            Engine(model, max_batch_size=1, native=True)
     prompt = ([5, 9, 2, 7, 3] * 40)[:limit - 30]  # repetitive: MaG's drafts reach into the headroom
     params = SamplingParams(max_new_tokens=40)
-    plain = engine.generate([prompt], params, strategy=Autoregressive())[0]
-    assert plain.token_ids == _hf_greedy(model, prompt, 30)
-    assert engine.generate([prompt], params, strategy=Speculative(k=8))[0].token_ids == plain.token_ids
+    expected = _hf_greedy(model, prompt, 30)
+    for native, runner in ((None, LlamaRunner), (False, HFRunner)):
+        engine = Engine(model, drafters=["mag"], max_batch_size=1, native=native)
+        assert engine.max_seq_len == limit and isinstance(engine.target, runner)
+        plain = engine.generate([prompt], params, strategy=Autoregressive())[0]
+        assert plain.token_ids == expected
+        assert engine.generate([prompt], params, strategy=Speculative(k=8))[0].token_ids == expected
     with torch.no_grad():
         model(torch.tensor([prompt * 2]))  # past 400: transformers now holds other frequencies
     again = Engine(model, max_batch_size=1).generate([prompt], params, strategy=Autoregressive())[0]
