@@ -94,6 +94,10 @@ class StaticInputs:
 
 
 
+def _wrapped(name: str) -> property:
+    return property(lambda self: getattr(self.runner, name), lambda self, value: setattr(self.runner, name, value))
+
+
 class GraphedRunner(Runner):
     """A LlamaRunner whose fixed-shape forwards replay CUDA graphs: same interface (call,
     cache, allocate, use_rows), same results. It switches the runner to the Triton attention,
@@ -112,13 +116,21 @@ class GraphedRunner(Runner):
             batch_buckets(max_batch)  # validates it
         runner.attention_backend = "triton"
         self.runner = runner
-        self.vocab_size, self.num_params, self.device = runner.vocab_size, runner.num_params, runner.device
-        self.weight_bytes = runner.weight_bytes
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.use_graphs = self.device.type == "cuda"
         self.pool = None
         self._forget_graphs()
+
+    # What describes the model (vocabulary, end tokens, length limits...) is the wrapped runner's,
+    # read through, so that a field set on either after wrapping is the one the engine sees.
+    vocab_size = _wrapped("vocab_size")
+    num_params = _wrapped("num_params")
+    device = _wrapped("device")
+    weight_bytes = _wrapped("weight_bytes")
+    eos_token_ids = _wrapped("eos_token_ids")
+    attention_window = _wrapped("attention_window")
+    position_limit = _wrapped("position_limit")
 
     @property
     def cache(self) -> KVCache:

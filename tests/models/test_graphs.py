@@ -190,6 +190,22 @@ def test_maybe_graphed_wraps_only_native_runners_on_cuda():
     assert runner.attention_backend == "triton" and graphed.vocab_size == runner.vocab_size
 
 
+def test_the_wrapper_describes_the_model_as_the_runner_does():
+    """End tokens, sliding window and position limit are what the engine stops and sizes by:
+    the wrapper must show the wrapped runner's, also when set after wrapping (as the loader does)."""
+    runner = LlamaRunner(tiny_llama(), "cpu", torch.float32)
+    runner.eos_token_ids, runner.attention_window = (2, 7), 400
+    runner.position_limit = (300, "has a learned position table of 300")
+    graphed = GraphedRunner(runner)
+    for field in ("vocab_size", "num_params", "device", "weight_bytes", "eos_token_ids", "attention_window",
+                  "position_limit"):
+        assert getattr(graphed, field) == getattr(runner, field), field
+    graphed.eos_token_ids = (5,)
+    assert runner.eos_token_ids == (5,)
+    engine = Engine(graphed, max_batch_size=2)
+    assert engine.max_seq_len == 300 - 256 and engine._eos(SamplingParams()) == {5}
+
+
 # -- capture and replay (GPU) ---------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["decode", "chain", "tree"])
