@@ -63,7 +63,8 @@ from csd_engine.kernels.mag import mag_propose  # noqa: E402
 from csd_engine.kernels.verify import verify  # noqa: E402
 from csd_engine.models.graphs import GraphedRunner  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
-from csd_engine.models.runner import ForwardBatch, attention_mask  # noqa: E402
+from csd_engine.kernels.mask import attention_mask  # noqa: E402
+from csd_engine.models.runner import ForwardBatch  # noqa: E402
 
 DTYPE = torch.bfloat16
 COMPILE_BUDGET_S = 220  # seconds the compiled transformers run needs (compile + two generates)

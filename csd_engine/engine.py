@@ -30,7 +30,7 @@ from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import check_spec, load_runner, split_spec
 from csd_engine.models.quant import drafter_dense_rows
 from csd_engine.params import SamplingParams
-from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler, read_host  # noqa: F401
+from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler
 from csd_engine.strategies.base import Models, StepMetrics
 from csd_engine.verifier import Verifier, choose_backend
 

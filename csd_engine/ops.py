@@ -21,6 +21,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from csd_engine.kernels.tree_verify import PADDING
+
 try:
     from csd_engine import _C  # noqa: F401  (loading it registers torch.ops.csd_engine.*)
     HAS_EXTENSION = True
@@ -30,7 +32,6 @@ except ImportError as error:
     _MISSING_REASON = f"csd_engine._C did not import ({error})"
 
 ROOT = -1     # parent of a child of the committed prefix
-PADDING = -2  # parent of a padded node
 
 _TREE_RULE = "parent must be -1 (root), -2 (padding) or an index smaller than the node"
 _PADDING_RULE = "padded nodes (parent -2) must come after all real nodes of the row"

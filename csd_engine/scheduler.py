@@ -200,7 +200,7 @@ class Scheduler:
             if reuse:
                 self.state.clear()
             for i, runner in enumerate(engine.models()):
-                runner.use_rows(rows) if hasattr(runner, "use_rows") else runner.allocate(rows, engine.capacity)
+                runner.use_rows(rows)
                 # this scheduler's flags (unset at close); where kept graphs are replayed, the tensor they write
                 runner.nonfinite_rows = kept.flags[i].zero_() if reuse else \
                     torch.zeros(rows, dtype=torch.bool, device=runner.device)

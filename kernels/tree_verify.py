@@ -34,9 +34,9 @@ from .random import gumbel, gumbel_ref, uniform, uniform_ref
 from .sampling import (NUM_PIVOTS, block_sizes, check_settings, cutoff_workspace, gumbel_update, load_p,
                        may_read, probs_ref, processed_ref, row_cutoff, row_settings, row_stats)
 
-MAX_BLOCK_V = 1024
+TREE_BLOCK_V = 1024
 NUM_WARPS = 8  # one program per row and few rows: wide programs keep more of V in flight
-PADDED_PARENT = -2
+PADDING = -2  # parent of a padded node (csd_engine.ops builds masks with the same convention)
 
 
 @dataclass
@@ -192,12 +192,12 @@ def _check_inputs(logits, tokens, parents, draft_probs, temperature, top_k, top_
     if logits.is_cuda or not check_values:
         return  # as in verify.py: checking the values below would cost a host sync on every step
     index = torch.arange(nodes, device=parents.device)
-    padded = parents == PADDED_PARENT
+    padded = parents == PADDING
     real = (parents >= 0) & (parents < index)
     if not (parents[:, 0] == -1).all():
         raise ValueError("parents[:, 0] must be -1: node 0 is the root")
     if not (real | padded)[:, 1:].all():
-        raise ValueError(f"parents[b, i] for i >= 1 must be in [0, i) or {PADDED_PARENT} (padding)")
+        raise ValueError(f"parents[b, i] for i >= 1 must be in [0, i) or {PADDING} (padding)")
     if (padded.int().cummax(dim=1).values != padded.int()).any():
         raise ValueError("padded nodes (parent -2) must come after every real node of their row")
     if ((tokens < 0) | (tokens >= vocab))[real].any():
@@ -232,7 +232,7 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     if draft.stride(-1) != 1:
         draft = draft.contiguous()
     residual = torch.empty(batch, vocab, dtype=torch.float32, device=device)
-    block_v, search_block, _ = block_sizes(vocab, MAX_BLOCK_V)
+    block_v, search_block, _ = block_sizes(vocab, TREE_BLOCK_V)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)

@@ -19,7 +19,7 @@ import torch
 
 PAIR_CHUNK = 1 << 24  # tokens counted at once: memory stays ~ distinct pairs + this
 TEXT_CHUNK_CHARS = 1 << 20  # characters handed to the tokenizer per call
-CACHE_VERSION = 2  # 1: next tokens only (bigram-{key}-{source}.pt); 2: with probabilities
+CACHE_VERSION = 2  # in the cached file's name: a table of another layout is rebuilt, never misread
 
 
 class BigramTable(NamedTuple):
@@ -115,7 +115,7 @@ def bigram_from_model(logits_fn: Callable[[torch.Tensor], torch.Tensor], vocab_s
 
     logits_fn(tokens [N] int64, on the CPU) -> next-token logits [N, vocab_size] (any device,
     any floating dtype) is called on consecutive batches of at most `batch_size` vocabulary
-    entries. (Version 1 took a function returning next tokens, which carries no probability.)
+    entries.
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -157,9 +157,7 @@ def load_or_build(key: str, source: str, build: Callable[[], BigramTable],
     key: usually `tokenizer_key(tokenizer)`; source: what the table was built from (e.g.
     "corpus-wiki" or "model-qwen2.5-0.5b"), chosen by the caller. cache_dir defaults to
     $CSD_CACHE_DIR, else ~/.cache/csd_engine. The file (a dict of the table's tensors) is
-    written to a temporary name and renamed, so a reader never sees half a table. Version 1
-    files (`bigram-{key}-{source}.pt`, next tokens only) lack the probabilities: they are
-    left alone and the table is rebuilt.
+    written to a temporary name and renamed, so a reader never sees half a table.
     """
     _check_file_name_part("key", key)
     _check_file_name_part("source", source)

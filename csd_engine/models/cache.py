@@ -12,8 +12,28 @@ from dataclasses import dataclass
 import torch
 
 
+class CommittedLengths:
+    """What a cache of either runner commits: `lengths` [batch] int64, slots kept per row."""
+    lengths: torch.Tensor
+
+    def reset(self, lengths: torch.Tensor | None = None) -> None:
+        """Forget every row (or set explicit committed lengths)."""
+        if lengths is None:
+            self.lengths.zero_()
+        else:
+            self.lengths.copy_(lengths)
+
+    def advance(self, n: torch.Tensor) -> None:
+        """Commit `n[b]` more slots of each row (n may be 0 for finished rows)."""
+        self.lengths += n
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Keep only the first `lengths[b]` slots of each row: a length update, no copy."""
+        torch.minimum(self.lengths, lengths, out=self.lengths)
+
+
 @dataclass
-class KVCache:
+class KVCache(CommittedLengths):
     k: torch.Tensor  # [layers, batch, kv_heads, capacity, head_dim]
     v: torch.Tensor
     lengths: torch.Tensor  # [batch] int64, committed slots per row
@@ -43,21 +63,6 @@ class KVCache:
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
         self.k[layer][rows, :, slots] = k
         self.v[layer][rows, :, slots] = v
-
-    def reset(self, lengths: torch.Tensor | None = None) -> None:
-        """Forget every row (or set explicit committed lengths)."""
-        if lengths is None:
-            self.lengths.zero_()
-        else:
-            self.lengths.copy_(lengths)
-
-    def advance(self, n: torch.Tensor) -> None:
-        """Commit `n[b]` more slots of each row (n may be 0 for finished rows)."""
-        self.lengths += n
-
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Keep only the first `lengths[b]` slots of each row: a length update, no copy."""
-        torch.minimum(self.lengths, lengths, out=self.lengths)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy entries of every layer from src to dst slots, all rows at once ([B, M] each).

@@ -9,10 +9,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from csd_engine.models.cache import CommittedLengths
 from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit
 
 
-class _Lengths:
+class _Lengths(CommittedLengths):
     """Committed length per row, mirrored as a tensor so strategies treat both runners alike;
     `move` edits the rows' transformers caches directly."""
 
@@ -23,15 +24,6 @@ class _Lengths:
     @property
     def batch(self):
         return self.lengths.shape[0]
-
-    def reset(self, lengths=None):
-        self.lengths.zero_() if lengths is None else self.lengths.copy_(lengths)
-
-    def advance(self, n):
-        self.lengths += n
-
-    def rollback(self, lengths):
-        torch.minimum(self.lengths, lengths, out=self.lengths)
 
     @torch.inference_mode()  # the layers' tensors were made by inference-mode forwards
     def move(self, src_slots, dst_slots):
@@ -109,6 +101,9 @@ class HFRunner(Runner):
     def allocate(self, batch: int, capacity: int) -> None:
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
         self.cache = _Lengths(batch, self.device, self.caches)
+
+    def use_rows(self, batch: int) -> None:
+        self.allocate(batch, capacity=0)  # caches grow as they fill: fresh ones cost nothing
 
     @torch.inference_mode()
     def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.kernels import use_kernels
-from csd_engine.kernels.mask import attention_mask  # noqa: F401  (re-exported: bench/gpu.py imports it from here)
 from csd_engine.kernels.nonfinite import flag_nonfinite, flag_nonfinite_ref
 from csd_engine.models.cache import KVCache
 
@@ -93,6 +92,11 @@ class Runner:
     nonfinite_rows: torch.Tensor | None = None
 
     def allocate(self, batch: int, capacity: int) -> None:
+        raise NotImplementedError
+
+    def use_rows(self, batch: int) -> None:
+        """Run on the first `batch` rows of the allocated cache from now on (a scheduler of
+        fewer rows than the engine's max_batch_size); the caller then resets their lengths."""
         raise NotImplementedError
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -362,11 +362,6 @@ def trimmed(draft: Draft) -> Draft:
     return Draft(draft.tokens[:, :width], draft.length, None if draft.q is None else draft.q[:, :width])
 
 
-def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[..., vocab] float32 one-hot rows of `tokens` (a compare: F.one_hot reads the ids' range back)."""
-    return (tokens[..., None] == torch.arange(vocab, device=tokens.device)).float()
-
-
 def roll_back_drafters(drafters, length: torch.Tensor) -> None:
     """Every neural drafter keeps at most `length[b]` cached slots of row b (MaG has no cache)."""
     for drafter in drafters:

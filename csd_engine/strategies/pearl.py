@@ -55,9 +55,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from csd_engine.drafters.mag import MaG
+from csd_engine.kernels.sampling import one_hot
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
-                                        check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens,
-                                        one_hot)
+                                        check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens)
 from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
 
 
@@ -91,22 +91,22 @@ class Pearl:
             raise ValueError(f"Pearl.overlap must be None (concurrent only with a drafter_device of its own), True "
                              f"or False, got {self.overlap!r}")
 
-    def decoder(self, engine: Models):
-        if self.drafter >= len(engine.drafters):
+    def decoder(self, models: Models):
+        if self.drafter >= len(models.drafters):
             raise ValueError(f"Pearl(drafter={self.drafter}) needs engine.drafters[{self.drafter}]; "
-                             f"the engine has {len(engine.drafters)} drafter(s)")
-        if isinstance(engine.drafters[self.drafter], MaG):
+                             f"the engine has {len(models.drafters)} drafter(s)")
+        if isinstance(models.drafters[self.drafter], MaG):
             raise ValueError(f"Pearl needs a neural drafter, but engine.drafters[{self.drafter}] is MaG (a suffix "
                              "match costs next to nothing: there is no drafter forward worth overlapping with the "
                              "target's): use Speculative or Cascade with MaG")
-        two_devices = engine.drafter_device != engine.device
+        two_devices = models.drafter_device != models.device
         if self.overlap is False and two_devices:
             raise ValueError(f"Pearl(overlap=False) runs the drafter and the target in turn on one device, but this "
-                             f"engine puts the drafter on {engine.drafter_device} (target: {engine.device}): use "
+                             f"engine puts the drafter on {models.drafter_device} (target: {models.device}): use "
                              "overlap=None or True there")
         if not (two_devices if self.overlap is None else self.overlap):
-            return SpeculativeDecoder(engine, self.gamma, self.drafter)
-        return PearlDecoder(engine, self.gamma, self.drafter, self.adaptive)
+            return SpeculativeDecoder(models, self.gamma, self.drafter)
+        return PearlDecoder(models, self.gamma, self.drafter, self.adaptive)
 
 
 def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -123,17 +123,17 @@ def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, n
 class PearlDecoder(Decoder):
     step_graphs = False  # its drafter runs in a worker thread: the step is not one stream's device work
 
-    def __init__(self, engine, gamma: int, drafter_index: int, adaptive: bool):
-        self.target = engine.target
-        self.drafter = engine.drafters[drafter_index]
+    def __init__(self, models, gamma: int, drafter_index: int, adaptive: bool):
+        self.target = models.target
+        self.drafter = models.drafters[drafter_index]
         self.drafter_index = drafter_index
-        self.verifier = engine.verifier
+        self.verifier = models.verifier
         self.gamma = gamma
         self.adaptive = adaptive
         # The drafter writes up to 2γ - 1 slots past the committed prefix (carry + extension).
         self.max_tokens_per_forward = 2 * gamma
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-drafter")
-        self.target_device, self.drafter_device = engine.device, engine.drafter_device
+        self.target_device, self.drafter_device = models.device, models.drafter_device
         on_cuda = self.drafter_device.type == "cuda"
         self.side_stream = torch.cuda.Stream(self.drafter_device) if on_cuda else None
 

@@ -60,40 +60,40 @@ class Staged:
     def depth(self) -> int:
         return len(self.branching) + self.mag_tokens
 
-    def decoder(self, engine: Models):
-        drafters = engine.drafters
+    def decoder(self, models: Models):
+        drafters = models.drafters
         if self.drafter >= len(drafters) or isinstance(drafters[self.drafter], MaG):
             neural = [i for i, d in enumerate(drafters) if not isinstance(d, MaG)]
             raise ValueError(f"Staged(drafter={self.drafter}) must name a neural drafter of the engine; "
                              f"the neural drafters are at indices {neural} of its {len(drafters)} drafter(s)")
-        vocab = engine.target.vocab_size
+        vocab = models.target.vocab_size
         if max(self.branching) > vocab:
             raise ValueError(f"Staged.branching={self.branching} asks for more children than the vocabulary "
                              f"has tokens ({vocab})")
-        if self.draft_nodes + 1 > engine.capacity:  # (the scheduler then bounds it by the cache's headroom)
+        if self.draft_nodes + 1 > models.capacity:  # (the scheduler then bounds it by the cache's headroom)
             raise ValueError(f"Staged(branching={self.branching}, mag_tokens={self.mag_tokens}) feeds "
-                             f"{self.draft_nodes + 1} tokens per forward, more than the cache's {engine.capacity} "
+                             f"{self.draft_nodes + 1} tokens per forward, more than the cache's {models.capacity} "
                              "slots: fewer depths or children")
-        require_one_device(engine, "Staged")
-        return StagedDecoder(engine, self)
+        require_one_device(models, "Staged")
+        return StagedDecoder(models, self)
 
 
 class StagedDecoder(Decoder):
-    def __init__(self, engine: Models, config: Staged):
-        self.models = engine
-        self.drafter = engine.drafters[config.drafter]
+    def __init__(self, models: Models, config: Staged):
+        self.models = models
+        self.drafter = models.drafters[config.drafter]
         self.drafter_index = config.drafter
         self.branching = config.branching
         self.mag_tokens = config.mag_tokens
         parents = branching_parents(config.branching)
         likely_path = first_child_path(parents)[1:]  # the drafter's top-1 chain, below the root
         # On the device: indexing with a Python list would copy it there every step (a sync).
-        self.likely_path = torch.tensor(likely_path, device=engine.device)
+        self.likely_path = torch.tensor(likely_path, device=models.device)
         self.mag = None
         if config.mag_tokens:
-            self.mag = next((d for d in engine.drafters if isinstance(d, MaG)), None) or MaG()
+            self.mag = next((d for d in models.drafters if isinstance(d, MaG)), None) or MaG()
             parents = with_chain(parents, likely_path[-1], config.mag_tokens)
-        self.tree = TreeShape.build(torch.tensor([parents], device=engine.device), config.depth)
+        self.tree = TreeShape.build(torch.tensor([parents], device=models.device), config.depth)
         self.max_tokens_per_forward = len(parents)
 
     def step(self, state: DecodeState, plan=None) -> StepOutput:
