@@ -41,9 +41,10 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.random import stream_seed
 from csd_engine.kernels.review import review_bookkeeping, review_bookkeeping_ref
+from csd_engine.kernels.sampling import one_hot
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
-from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, is_int, one_hot,
+from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, is_int,
                                         require_one_device, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
@@ -319,20 +320,17 @@ class CascadeDecoder(Decoder):
         direct = proposal.match >= self.direct_match if self.direct_match else torch.zeros_like(state.active)
         return direct, proposal.length
 
-    def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None) -> tuple[list, list]:
+    def k_budgets(self, state: DecodeState, direct: torch.Tensor) -> tuple[list, list]:
         """Per source and row, the tokens K asks, and for MaG sources the most tokens one call
         adds (mag_tokens; None for a neural source); a direct row asks nothing of its neural
         sources and one MaG call at the top, whose proposal (up to its cap, direct_tokens) is the
-        whole draft: the same tokens the plan measured, however wide the step. `ready`
-        (_direct's proposal lengths) is for budgets that weigh what MaG holds now
-        (Cascade.auto); K's ignore it."""
-        tail = self._k_tail(state, direct)
-        return self._budget_columns(tail.t())
+        whole draft: the same tokens the plan measured, however wide the step."""
+        return self._budget_columns(self._k_tail(state, direct).t())
 
-    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
-        """(budgets, caps, the rows that want a tree; None: K's rule) for a plan that reads MaG's
-        proposal (reads_proposal)."""
-        return (*self.budgets(state, direct, ready), None)
+    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None):
+        """(budgets, caps, the rows that want a tree; None: every row) for a plan that weighs
+        MaG's proposal lengths `ready` (reads_proposal: Cascade.auto)."""
+        raise NotImplementedError
 
     def _budget_columns(self, columns) -> tuple[list, list]:
         """(budgets, caps) per source from the plan's columns after the lags (rows of [C, B])."""

@@ -126,13 +126,10 @@ class AutoCascadeDecoder(CascadeDecoder):
         self.grid = Grid(config.max_tokens if self.neural_source else 0, mag_tokens, self.tree, model_cost,
                          config.prior, config.prior_rate, stops_early=models.trim_drafts)
 
-    def budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
-        return self.plan_budgets(state, direct, ready)[:2]
-
-    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None = None):
+    def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None):
         """Each row's best (t, a, c, g) as budgets, caps and whether it wants the tree (None
         without one)."""
-        budgets, caps = super().budgets(state, direct)
+        budgets, caps = self.k_budgets(state, direct)
         counts, top_mag, neural = state.metrics, self.mag_source.index, self.neural_source
         model = None if neural is None else (counts.source_accepted[neural.index], counts.source_checked[neural.index])
         reviews = (counts.level_accepted[1], counts.level_drafted[1]) if neural and self.grid.stops_early else None

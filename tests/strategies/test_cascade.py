@@ -246,7 +246,7 @@ def test_auto_chooses_the_tree_where_its_siblings_pay(models):
         state.metrics.sibling_accepted[:] = torch.tensor([900, 0])
         state.metrics.sibling_checked[:] = torch.tensor([1000, 1000])
         for direct in (False, True):
-            budgets, _, tree = decoder.plan_budgets(state, torch.tensor([direct, False]))
+            budgets, _, tree = decoder.plan_budgets(state, torch.tensor([direct, False]), None)
             wants[width, direct] = tree.tolist()
             assert budgets[model][1] > 0  # the row without siblings still drafts with the model
     assert wants == {(0.02, False): [True, False], (0.02, True): [False, False],
@@ -498,24 +498,24 @@ def test_auto_budgets_follow_counted_acceptance_and_costs(models):
     state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
     state.metrics.source_accepted[model] = torch.tensor([1000, 0])
     state.metrics.source_checked[model] = torch.tensor([1000, 1000])
-    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), None)[:2]
     assert budgets[decoder.neural_source.index].tolist() == [6, 0]
     # the model's 6 tokens in the fewest reviews: 2, of 1 + 3 MaG tokens each where it takes (nearly) every one
     assert caps[decoder.sub_mag_source.index].tolist() == [3, 0]
-    budgets, _ = decoder.budgets(state, torch.tensor([True, False]))
+    budgets, _ = decoder.plan_budgets(state, torch.tensor([True, False]), None)[:2]
     assert budgets[decoder.neural_source.index][0] == 0 and budgets[decoder.mag_source.index][0] > 0
     # MaG's top-level tokens: proposed in full where the target takes them, not at all where it never does
     mag = decoder.mag_source.index
     state.metrics.source_accepted[mag] = torch.tensor([1000, 0])
     state.metrics.source_checked[mag] = torch.tensor([1000, 1000])
-    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), None)[:2]
     assert budgets[mag].tolist() == [4, 0] and caps[mag].tolist() == [4, 0]
     # ... and only where they pay for the width they add: at a 12% rate (row 1, whose model drafts
     # nothing) one token pays at width_cost 0.02 (1.12 tokens for 1.02), none at 0.15 (for 1.15)
     state.metrics.source_accepted[mag] = torch.tensor([120, 120])
     for width, paid in ((0.02, True), (0.15, False)):
         wide = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width).decoder(engine._decoder_models())
-        budgets, caps = wide.budgets(state, torch.tensor([False, False]))
+        budgets, caps = wide.plan_budgets(state, torch.tensor([False, False]), None)[:2]
         assert (budgets[mag][1] > 0) == paid and caps[mag][1] == budgets[mag][1], (width, budgets[mag])
 
 
@@ -533,7 +533,7 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000, 1000])
     state.metrics.level_accepted[1] = torch.tensor([1000, 0])
     state.metrics.level_drafted[1] = torch.tensor([1000, 1000])
-    budgets, caps = decoder.budgets(state, torch.tensor([False, False]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), None)[:2]
     assert budgets[model].tolist() == [6, 6] and caps[decoder.sub_mag_source.index].tolist() == [3, 0]
     # where a step runs every review round its widest row asks for (the device path: no trim), fewer,
     # wider reviews save no forward: the model drafts alone however many MaG tokens it would take, and
@@ -541,7 +541,7 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     device = Cascade.auto(max_tokens=6, model_cost=0.3, width_cost=0.1).decoder(
         dataclasses.replace(engine._decoder_models(), trim_drafts=False))
     assert device.sub_mag_source is None and device.neural_source.below.sources == ()
-    budgets, caps = device.budgets(state, torch.tensor([False, False]))
+    budgets, caps = device.plan_budgets(state, torch.tensor([False, False]), None)[:2]
     assert budgets[device.neural_source.index].tolist() == [6, 6]
 
 
@@ -560,7 +560,7 @@ def test_auto_prices_a_review_as_the_models_forward_plus_the_width_increment(mod
     model = decoder.neural_source.index
     state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000])
     state.metrics.level_accepted[1] = state.metrics.level_drafted[1] = torch.tensor([1000])
-    budgets, caps = decoder.budgets(state, torch.tensor([False]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False]), None)[:2]
     assert budgets[model].tolist() == [6] and caps[decoder.sub_mag_source.index].tolist() == [0]
 
 
@@ -577,10 +577,10 @@ def test_auto_weighs_mag_by_what_it_proposes_now(models):
                             pending=torch.zeros(2, dtype=torch.int64))
     model, mag = decoder.neural_source.index, decoder.mag_source.index
     state.metrics.source_checked[model] = torch.tensor([1, 1])  # one model token checked, rejected
-    budgets, caps = decoder.budgets(state, torch.tensor([False, False]), ready=torch.tensor([4, 0]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), torch.tensor([4, 0]))[:2]
     assert budgets[model].tolist() == [0, 1], budgets
     assert budgets[mag][0] == caps[mag][0] == 2
-    budgets, caps = decoder.budgets(state, torch.tensor([False, False]), ready=torch.tensor([1, 0]))
+    budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), torch.tensor([1, 0]))[:2]
     assert budgets[model][0] == 0 and budgets[mag][0] == caps[mag][0] == 1  # no more than MaG holds
 
 
@@ -596,7 +596,7 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
         decoder = Cascade.auto(model_cost=0.2, width_cost=0.15, prior_rate=rate).decoder(engine._decoder_models())
         state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
                                 pending=torch.zeros(1, dtype=torch.int64))
-        budgets, _ = decoder.budgets(state, torch.tensor([False]), ready=torch.tensor([0]))  # MaG holds nothing
+        budgets, _ = decoder.plan_budgets(state, torch.tensor([False]), torch.tensor([0]))[:2]  # MaG holds nothing
         picked[rate] = int(budgets[decoder.neural_source.index][0])
     assert picked[0.8] > picked[0.5], picked
     for bad in (1.0, -0.1, True):
