@@ -1,21 +1,27 @@
-"""GPU measurements in one run (under 9 minutes on one H100), one table each:
+"""GPU measurements in one run (under 9 minutes on one H100), one table per section
+(--sections picks some):
 
-1. copy bandwidth: a 1 GiB device-to-device copy, (read + written bytes) / time: the yardstick;
-2. chain verification (kernels/verify.py `verify`): launched and graph-replayed time, logits
-   bytes / graph time for B in {1, 8, 64}, k in {4, 8}, V in {32000, 151936}, greedy and
-   sampling (T = 1, deterministic drafts);
-3. attention (kernels/attention.py `cache_attention`) against the native runner's SDPA path
-   (cache sliced to the bound + boolean mask) for contexts 512..8192, batch 1 and 8, n = 1 and 5;
-   MaG's proposal kernel (kernels/mag.py) at the same batches and contexts (section `mag`);
-4. autoregressive tokens/s of a Llama-2-7B-shaped model with random bf16 weights, batch 1: the
-   engine (SDPA, Triton attention, CUDA graphs) against the weight-bandwidth floor and
-   transformers' generate with a static cache (eager);
-5. time split of a chain (Speculative) and a cascade step: target forward, drafter forwards,
-   verification, everything else. Synthetic agreement: the drafter is the target's first
-   layers (sharing its embeddings, final norm and lm_head); the target's later layers write
-   into the residual stream through output projections scaled by --residual-scale;
-6. transformers' generate with a static cache and its automatic torch.compile (last: the
-   compile takes minutes; skipped when less than COMPILE_BUDGET_S is left).
+* verify: chain verification (kernels/verify.py `verify`): launched and graph-replayed time,
+  logits bytes / graph time against a 1 GiB device-to-device copy's bandwidth (the yardstick)
+  for B in {1, 8, 64}, k in {4, 8}, V in {32000, 151936}, greedy and sampling;
+* attention: kernels/attention.py `cache_attention` against the native runner's SDPA path for
+  contexts 512..8192, batch 1 and 8, n = 1 and 5; mag: MaG's proposal kernel (kernels/mag.py)
+  at the same batches and contexts;
+* autoregressive: tokens/s of a Llama-2-7B-shaped model with random bf16 weights, batch 1: the
+  engine (SDPA, Triton attention, CUDA graphs) against the weight-bandwidth floor and
+  transformers' generate with a static cache (eager);
+* step_split: per strategy (chain, cascade, the self-tuning ones; batch 1 and 8, greedy and
+  sampling) tokens/s and where a step's time goes: target forward, drafter forwards,
+  verification, everything else. Synthetic agreement: the drafter is the target's first
+  layers (sharing its embeddings, final norm and lm_head); the target's later layers write
+  into the residual stream through output projections scaled by --residual-scale;
+* step_profile: each strategy's GPU kernel time per step by category and its costliest kernels;
+* forward_profile: one target forward (n = 1 and 5) with and without the fused kernels;
+* quantized_drafter: the drafter's forward with int8 / int4 weights against bf16;
+* batch_invariance: what Engine(batch_invariant=True) costs and how far a row's logits move;
+* pearl: Pearl against Speculative, and how much of a round running both sides at once hides;
+* transformers_compiled: transformers' generate with a static cache and its automatic
+  torch.compile (last: the compile takes minutes; skipped when less than COMPILE_BUDGET_S is left).
 
 Run on the device (from the repository root):
 
