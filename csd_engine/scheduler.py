@@ -52,6 +52,39 @@ def read_host(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+class StepRead:
+    """A step's output, every model's non-finite flags and the next plan, read from the device
+    in one copy (read_host) and unpacked per row. Columns: [count | tokens (m) | a flag per
+    model | logprobs' float bits (m, when asked) | plan]."""
+
+    def __init__(self, out, nonfinite: torch.Tensor, next_plan: torch.Tensor | None):
+        parts = [out.counts[:, None], out.tokens, nonfinite.long()]
+        if out.logprobs is not None:
+            parts.append(out.logprobs.view(torch.int32).long())
+        if next_plan is not None:
+            parts.append(next_plan)
+        self.rows = read_host(torch.cat(parts, dim=1))
+        m, n_models = out.tokens.shape[1], nonfinite.shape[1]
+        self._flags = slice(1 + m, 1 + m + n_models)
+        self._plan_from = self._flags.stop + (m if out.logprobs is not None else 0)
+        self.logprobs = None
+        if out.logprobs is not None:  # every row's bits decoded at once
+            bits = torch.tensor([row[self._flags.stop:self._plan_from] for row in self.rows], dtype=torch.int64)
+            self.logprobs = bits.to(torch.int32).view(torch.float32).tolist()
+        self.has_plan = next_plan is not None
+
+    def tokens(self, row: int) -> list[int]:
+        """The row's committed tokens this step (its count of them)."""
+        return self.rows[row][1:1 + self.rows[row][0]]
+
+    def failed_models(self, row: int) -> list[int]:
+        """The models (0 = target) whose logits for the row were ever non-finite."""
+        return [i for i, flag in enumerate(self.rows[row][self._flags]) if flag]
+
+    def plan(self, row: int) -> list[int]:
+        return self.rows[row][self._plan_from:]
+
+
 # Room past max_seq_len for the blocks a strategy feeds (draft + bonus, or tree nodes): writes
 # beyond a row's committed length must stay inside the buffer.
 HEADROOM = 256
@@ -319,34 +352,20 @@ class Scheduler:
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
         out, next_plan = (self.step_graphs or self.decoder).step_and_plan(state, self.plan)
         after = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
-        models = engine.models()
-        nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in models], 1)  # [B, models]
-        parts = [out.counts[:, None], out.tokens, nonfinite.long()]
-        if out.logprobs is not None:
-            parts.append(out.logprobs.view(torch.int32).long())  # the float bits ride along in the one read
-        if next_plan is not None:
-            parts.append(next_plan)
-        host = read_host(torch.cat(parts, dim=1))  # the one read
-        m, n_models = out.tokens.shape[1], len(models)
-        now = time.perf_counter()
-        finished = []
+        nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in engine.models()], 1)  # [B, models]
+        host, now, finished = StepRead(out, nonfinite, next_plan), time.perf_counter(), []
         for row, request in enumerate(self.slots):
             if request is None or not request.ready:
                 continue
-            values = host[row]
             request.forwards = [f + a - c for f, a, c in zip(request.forwards, after, before)]
-            bad = [i for i, flag in enumerate(values[1 + m:1 + m + n_models]) if flag]
+            bad = host.failed_models(row)
             if bad:
                 request.finish, request.error = "error", engine._nonfinite_message(bad, [request.id])
                 request.failed_models = bad
             else:
-                count = values[0]
-                logprobs = None
-                if out.logprobs is not None:
-                    bits = torch.tensor(values[1 + m + n_models:1 + 2 * m + n_models], dtype=torch.int64)
-                    logprobs = bits.to(torch.int32).view(torch.float32).tolist()
-                self.committed[row] += count
-                self._extend(request, values[1:1 + count], logprobs, now)
+                tokens = host.tokens(row)
+                self.committed[row] += len(tokens)
+                self._extend(request, tokens, None if host.logprobs is None else host.logprobs[row], now)
             if request.finish:
                 finished.append(request)
         outputs += [self._increment(r) for r in self.slots if r is not None and r.ready]
@@ -354,10 +373,8 @@ class Scheduler:
             self._free(request)
         if finished:
             self._rows_changed()  # a host-to-device copy when a row ends
-        state.max_committed = max((c for c, r in zip(self.committed, self.slots) if r is not None), default=0)
-        live = self._live()
-        plan_from = 1 + m + n_models + (m if out.logprobs is not None else 0)
-        self.plan = None if next_plan is None else [host[row][plan_from:] for row in range(len(host)) if live[row]]
+        state.max_committed = self._max_committed()
+        self.plan = [host.plan(row) for row, live in enumerate(self._live()) if live] if host.has_plan else None
         return outputs
 
     def _step_graphs(self) -> StepGraphs | None:
@@ -382,8 +399,11 @@ class Scheduler:
         """After rows joined or left: the device's `active` mask and the host-known summaries."""
         self.state.active.copy_(torch.tensor(self._live(), device=self.engine.device))
         self._update_hints()
-        occupied = [c for c, r in zip(self.committed, self.slots) if r is not None]
-        self.state.max_committed = max(occupied, default=0)
+        self.state.max_committed = self._max_committed()
+
+    def _max_committed(self) -> int:
+        """The longest committed prefix among the occupied rows (the host-known bound steps key on)."""
+        return max((c for c, r in zip(self.committed, self.slots) if r is not None), default=0)
 
     def _extend(self, request: Request, tokens: list[int], logprobs, now: float) -> None:
         """Append a step's tokens to a request, ending it at a stop token, stop string or its limit."""
