@@ -315,7 +315,6 @@ class CascadeDecoder(Decoder):
         if not self.direct_match and not self.reads_proposal:
             return None, None
         end = state.committed + 1
-        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         proposal = self.mag.propose(state.tokens, end, end, self.direct_tokens, state.max_committed + 1)
         direct = proposal.match >= self.direct_match if self.direct_match else torch.zeros_like(state.active)
         return direct, proposal.length
@@ -357,7 +356,6 @@ class CascadeDecoder(Decoder):
 
     def _working(self, state: DecodeState, plan, budgets, caps) -> Working:
         b, dev = state.batch, state.pending.device
-        state.tokens.scatter_(1, state.committed[:, None], state.pending[:, None])
         columns = [max(column) for column in zip(*plan)]  # over the active rows (a graph: its key)
         n = len(self.models.drafters)
         rounds = {s.index: columns[n + s.index] for s in self.sources if s.below is not None}

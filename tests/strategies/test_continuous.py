@@ -90,12 +90,35 @@ class IdleRowsStayShort:
                 assert max(lengths) <= bound, f"row {row}'s caches grew while idle: {lengths}"
 
 
+class BufferHoldsTheSequence:
+    """After each step: a decoding row's token buffer holds its prompt and output up to its
+    pending token, at the committed length (what MaG searches and the strategies extend; a wrong
+    entry there would only cost acceptance, so the exactness tests cannot see it)."""
+
+    def __call__(self, scheduler):
+        state = scheduler.state
+        for row, request in enumerate(scheduler.slots):
+            if request is None or not request.ready or request.finish:
+                continue
+            sequence = list(request.prompt) + request.output
+            committed = int(state.committed[row])
+            assert committed == len(sequence) - 1 and int(state.pending[row]) == sequence[-1]
+            assert state.tokens[row, :committed + 1].tolist() == sequence, f"row {row}'s token buffer"
+
+
+def check_all(*checks):
+    def check(scheduler):
+        for c in checks:
+            c(scheduler)
+    return check
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_requests_joining_and_leaving_give_their_tokens_alone(models, name):
     engine = engine_for(models, name)
     strategy = STRATEGIES[name][1]
     with engine.scheduler(strategy) as scheduler:
-        results = run_arrivals(scheduler, ARRIVALS, IdleRowsStayShort())
+        results = run_arrivals(scheduler, ARRIVALS, check_all(IdleRowsStayShort(), BufferHoldsTheSequence()))
     for i, (prompt, params, _) in enumerate(ARRIVALS):
         expected = alone(engine, strategy, prompt, params)
         assert results[i].token_ids == expected.token_ids, f"{name}: request {i} changed under continuous batching"
@@ -337,7 +360,7 @@ def test_chunked_prefill_gives_the_same_tokens(models, name):
     engine = engine_for(models, name)
     strategy = STRATEGIES[name][1]
     with engine.scheduler(strategy, prefill_chunk=4) as scheduler:
-        results = run_arrivals(scheduler, ARRIVALS, IdleRowsStayShort())
+        results = run_arrivals(scheduler, ARRIVALS, check_all(IdleRowsStayShort(), BufferHoldsTheSequence()))
     for i, (prompt, params, _) in enumerate(ARRIVALS):
         expected = alone(engine, strategy, prompt, params)
         assert results[i].token_ids == expected.token_ids, f"{name}: request {i} changed under chunked prefill"
