@@ -4,7 +4,7 @@ Each step decodes only a window: the tokens since the last text it could settle,
 settled step's tokens before them as context (decoding a window alone would change how its
 first token spaces or joins), so a step costs the same however long the output is. Text is
 settled only when it does not end in U+FFFD (an incomplete UTF-8 sequence, to be completed by
-the next token). Deltas handed out also hold back the last `len(longest stop) - 1`
+the next tokens), or, for a U+FFFD the model meant, once three more tokens leave it in place. Deltas handed out also hold back the last `len(longest stop) - 1`
 characters, which may be the start of a stop string, so the deltas, concatenated, are exactly
 the final text.
 """
@@ -12,6 +12,7 @@ import codecs
 import re
 
 REPLACEMENT = "\ufffd"
+MAX_CONTINUATION_TOKENS = 3  # a UTF-8 character's bytes after its first: each token carries at least one
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
 
@@ -42,6 +43,14 @@ class IncrementalText:
         if piece and (final or not piece.endswith(REPLACEMENT)):
             self.text += piece
             self.prefix, self.read = self.read, len(ids)
+        elif len(ids) - self.read > MAX_CONTINUATION_TOKENS:
+            # A U+FFFD before the last three tokens is settled where the text up to there stays a
+            # prefix: its characters had every byte they can have (a real U+FFFD, or invalid bytes).
+            end = len(ids) - MAX_CONTINUATION_TOKENS
+            head = self._piece(ids, end)
+            if head and piece.startswith(head):
+                self.text += head
+                self.prefix, self.read = self.read, end
 
     def stop_at(self, ids: list[int]) -> int | None:
         """If the settled text now holds a stop string: return how many tokens to keep (they end

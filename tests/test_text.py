@@ -127,3 +127,32 @@ def test_token_bytes_of_sentencepiece_byte_fallback():
                                          decoders.Strip(" ", 1, 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     _check_pieces(tokenizer, [1, 2, 3, 4, 5, 2])  # "b a日 a"
+
+
+class ReplacementTokenizer:
+    """Token 0 is the character U+FFFD itself (three bytes, complete); 1 is 'a'; 2 and 3 are the
+    two bytes of 'é'."""
+
+    pieces = ["\ufffd".encode(), b"a", b"\xc3", b"\xa9"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[t] for t in ids).decode("utf-8", errors="replace")
+
+
+def test_a_real_replacement_character_streams_three_tokens_late():
+    """A U+FFFD the model emits is not an unfinished character: the text settles once three more
+    tokens (as many as a UTF-8 character can still need) leave it in place, step by step, while
+    a split 'é' is still held until its second byte."""
+    text = IncrementalText(ReplacementTokenizer())
+    out = []
+    for step in range(12):
+        out.append(0)
+        text.update(out)
+        assert len(text.text) >= len(out) - 3, f"step {step}: {len(text.text)} of {len(out)} characters settled"
+        assert text.read >= len(out) - 3
+    out += [1, 2]
+    text.update(out)
+    assert "a" not in text.text  # 'a' and the first byte of 'é' are held: 'é' is not complete yet
+    out.append(3)
+    text.update(out)
+    assert text.text == "\ufffd" * 12 + "aé"
