@@ -292,7 +292,7 @@ class Engine:
             eos |= set(tokenizer_eos) if isinstance(tokenizer_eos, (list, tuple)) else {tokenizer_eos}
         return eos
 
-    def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], wall: float,
+    def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], waits: dict, wall: float,
                  first_token: float) -> Metrics:
         level_accepted, level_drafted = m.level_accepted[:, row].tolist(), m.level_drafted[:, row].tolist()
         accepted, drafted = level_accepted[0], level_drafted[0]
@@ -312,5 +312,5 @@ class Engine:
                        mean_accepted_tokens=n_new / max(forwards[0], 1), accepted=accepted, drafted=drafted,
                        acceptance_by_position=by_pos, acceptance_by_level=by_level,
                        swi=ar_cost / cost if cost else 1.0, draft_lengths=draft_lengths,
-                       wait_time_s=dict(m.wait_time_s), time_to_first_token_s=first_token,
+                       wait_time_s=waits, time_to_first_token_s=first_token,
                        accepted_per_position=a, drafted_per_position=d)

@@ -159,6 +159,7 @@ class Request:
     output: list = field(default_factory=list)
     logprobs: list | None = None
     forwards: list | None = None  # target, then each drafter
+    waits: dict = field(default_factory=dict)  # side -> seconds waited in its steps (parallel strategies)
     first_token_s: float = 0.0  # since arrival
     done_s: float = 0.0
     finish: str | None = None
@@ -350,14 +351,17 @@ class Scheduler:
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
+        waited = dict(state.metrics.wait_time_s)
         out, next_plan = (self.step_graphs or self.decoder).step_and_plan(state, self.plan)
         after = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
+        waited = {side: t - waited.get(side, 0.0) for side, t in state.metrics.wait_time_s.items()}
         nonfinite = torch.stack([m.nonfinite_rows.to(engine.device) for m in engine.models()], 1)  # [B, models]
         host, now, finished = StepRead(out, nonfinite, next_plan), time.perf_counter(), []
         for row, request in enumerate(self.slots):
             if request is None or not request.ready:
                 continue
             request.forwards = [f + a - c for f, a, c in zip(request.forwards, after, before)]
+            request.waits = {side: request.waits.get(side, 0.0) + t for side, t in waited.items()}
             bad = host.failed_models(row)
             if bad:
                 request.finish, request.error = "error", engine._nonfinite_message(bad, [request.id])
@@ -448,7 +452,7 @@ class Scheduler:
     def _result(self, request: Request):
         text = None if request.text is None else request.text.text
         metrics = self.engine._metrics(self.state.metrics, request.row, len(request.output), request.forwards,
-                                       request.done_s, request.first_token_s) if request.ready else None
+                                       request.waits, request.done_s, request.first_token_s) if request.ready else None
         return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
                                 request.error, request.failed_models)
 

@@ -311,3 +311,18 @@ def test_target_on_the_cpu_and_drafter_on_cuda_equals_autoregressive(models):
                     max_seq_len=96, verify_backend="torch")
     assert_greedy_equals_autoregressive(engine, random_prompts(3, lo=1, hi=14, seed=fresh_seed()),
                                         Pearl(gamma=3, overlap=True))
+
+
+def test_wait_time_is_each_requests_own(models):
+    """A request's wait_time_s counts the rounds it decoded in: one side waits per round, so the
+    sum stays within its wall time, however many requests the scheduler served before it."""
+    target, drafters = models
+    engine = Engine(target, drafters=[drafters[1]], max_batch_size=1, max_seq_len=64)
+    with engine.scheduler(Pearl(gamma=3, overlap=True)) as scheduler:
+        for i in range(5):
+            scheduler.add(random_prompts(1, seed=i)[0], SamplingParams(max_new_tokens=20))
+            results = []
+            while not results:
+                results = [o.result for o in scheduler.step() if o.finished]
+            m = results[0].metrics
+            assert sum(m.wait_time_s.values()) <= m.wall_time_s, f"request {i}: {m.wait_time_s} in {m.wall_time_s} s"
