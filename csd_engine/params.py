@@ -1,4 +1,5 @@
 """Sampling parameters: one per request, validated on construction."""
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -54,9 +55,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
+                    or not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
+            self._set(seed=int(self.seed))  # a NumPy integer as the int it is
         if self.stop_token_ids is not None:
             ids = _token_ids(self.stop_token_ids)
             if ids is None:

@@ -69,8 +69,9 @@ def gumbel_ref(seed, counter, index) -> torch.Tensor:
 def fold_seed(seed: int) -> int:
     """A request's seed (up to 64 bits) as the 32-bit seed `uniform` takes: itself below 2**32,
     else its low half mixed with the hash of its high half, so that seeds differing only above
-    bit 31 draw different numbers (plain truncation would give 1 and 2**32 + 1 one stream). Its
-    multiplier is not stream_seed's, so a folded seed is not another seed's stream."""
+    bit 31 draw different numbers (plain truncation would give 1 and 2**32 + 1 one stream). The
+    streams are 32-bit: each 64-bit seed shares its stream with one below 2**32 (and may with
+    another seed's derived stream), as any two seeds do with chance 2**-32."""
     low, high = seed & MASK32, seed >> 32
     return low if high == 0 else _mix32_ref(low ^ _mix32_ref((high * 0x85EBCA6B) & MASK32))
 

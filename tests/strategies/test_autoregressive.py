@@ -241,3 +241,9 @@ def test_each_request_has_its_own_wall_time_and_time_to_first_token():
         assert 0 < r.metrics.time_to_first_token_s <= r.metrics.wall_time_s
     assert short.metrics.wall_time_s < long.metrics.wall_time_s
     assert long.metrics.time_to_first_token_s < short.metrics.wall_time_s  # both first tokens came in step 1
+
+
+def test_a_numpy_integer_seed_is_the_int_it_holds():
+    assert SamplingParams(temperature=1.0, seed=np.int64(5)) == SamplingParams(temperature=1.0, seed=5)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        SamplingParams(temperature=1.0, seed=np.float64(5))
