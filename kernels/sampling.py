@@ -425,6 +425,17 @@ def processed_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return z, threshold, lse
 
 
+def top_at_zero(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, ..., V] with each sampling row's maximum (per position) subtracted; greedy rows
+    (temperature [B] 0) as they are. What the engine verifies and samples from: z = logits / T
+    then keeps the gaps near the top, which float32 rounds away when the logits themselves are
+    divided by a small T (logit 7 at T = 1e-6 is 7e6, spaced 0.5 apart: a tie sampled 0.55 /
+    0.45 and its log-probability read -0.5). The distribution is the same; the arithmetic exact
+    where it matters (x - max is exact for x within a factor 2 of the max)."""
+    sampling = (temperature > 0).view(-1, *(1,) * (logits.dim() - 1))
+    return logits - torch.where(sampling, logits.amax(-1, keepdim=True), 0.0)  # x - 0 is x: greedy rows keep theirs
+
+
 def probs_ref(z: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """processed_ref's output [..., V], [...], [...] -> p [..., V] float32."""
     return torch.where(z >= threshold[..., None], torch.exp(z - lse[..., None]), 0.0)

@@ -20,7 +20,7 @@ import torch
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.commit import commit as commit_rows, commit_ref
 from csd_engine.kernels.random import stream_seed
-from csd_engine.kernels.sampling import processed_ref
+from csd_engine.kernels.sampling import processed_ref, top_at_zero
 from csd_engine.models.runner import ForwardBatch, Runner
 
 TARGET_STREAM, DRAFT_STREAM = 0, 1  # random streams of the target's checks and of drafters sampling
@@ -328,6 +328,7 @@ def emitted_logprobs(state: DecodeState, logits: torch.Tensor, tokens: torch.Ten
         return None
     b, m, vocab = logits.shape
     per_token = lambda t: t.repeat_interleave(m)  # noqa: E731
+    logits = logits if state.all_greedy else top_at_zero(logits, state.temperature)  # as the verifier samples
     z, threshold, lse = processed_ref(logits.reshape(b * m, vocab), per_token(state.temperature),
                                       per_token(state.top_k), per_token(state.top_p),
                                       filtered=state.any_filtered, max_top_k=state.max_top_k)

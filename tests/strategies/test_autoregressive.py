@@ -1,6 +1,7 @@
 """Autoregressive decoding: exact greedy equality with transformers, sampling by distribution,
 per-request seeds, stop handling, and errors that leave the engine usable."""
 import dataclasses
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 import csd_engine
-from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine import Autoregressive, Engine, SamplingParams, Speculative
 from tests.strategies.common import assert_samples_follow_target
 from tests.tiny_models import VOCAB, random_prompts, tiny_gpt2, tiny_llama, tiny_qwen2
 
@@ -247,3 +248,27 @@ def test_a_numpy_integer_seed_is_the_int_it_holds():
     assert SamplingParams(temperature=1.0, seed=np.int64(5)) == SamplingParams(temperature=1.0, seed=5)
     with pytest.raises(ValueError, match="seed must be an int"):
         SamplingParams(temperature=1.0, seed=np.float64(5))
+
+
+@pytest.mark.parametrize("strategy", [Autoregressive(), Speculative(k=3)], ids=["autoregressive", "speculative-mag"])
+def test_a_tie_at_a_tiny_temperature_is_a_fair_coin(strategy):
+    """Two top tokens with bit-identical logits, temperature 1e-6: each is drawn half the time
+    and its log-probability is log(1/2). Dividing the raw logits by T in float32 spaces them 0.5
+    apart near 7e6, which drew 0.55 / 0.45 (0.60 with drafts) and read -0.5."""
+    from tests.stats import assert_distribution
+    model = tiny_llama(seed=31, scale=2.5)
+    prompt = [88, 14, 80, 74, 68, 30, 88]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        top = int(logits.argmax())
+        model.lm_head.weight[top - 1 if top else 1] = model.lm_head.weight[top]
+        twin = top - 1 if top else 1
+    n = 4000
+    engine = Engine(model, drafters=[] if isinstance(strategy, Autoregressive) else ["mag"], max_batch_size=n,
+                    max_seq_len=16, verify_backend="torch")  # the shift is the verifier's, before either backend
+    results = engine.generate([prompt] * n, [SamplingParams(temperature=1e-6, max_new_tokens=1, seed=s, logprobs=True)
+                                             for s in range(n)], strategy=strategy)
+    first = torch.tensor([r.token_ids[0] for r in results])
+    assert set(first.tolist()) <= {top, twin}
+    assert_distribution((first == top).long(), torch.tensor([0.5, 0.5]))
+    assert results[0].logprobs[0] == pytest.approx(math.log(0.5), abs=1e-5)
