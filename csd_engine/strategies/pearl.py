@@ -219,9 +219,8 @@ class PearlDecoder(Decoder):
                                    committed=self.drafter.cache.lengths.clone(), active=state.active.to(dd),
                                    temperature=state.temperature.to(dd), top_k=state.top_k.to(dd),
                                    top_p=state.top_p.to(dd), seed=state.seed.to(dd), offset=state.offset.to(dd),
-                                   max_committed=state.max_committed + self.gamma - 1,
-                                   metrics=StepMetrics.zeros(state.batch, dd))  # drafter counts only: discarded
-            draft = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, 0)
+                                   max_committed=state.max_committed + self.gamma - 1)
+            draft = draft_chain(self.drafter, drafter_view, self.gamma, self.verifier, DRAFT_STREAM, None)
         return draft.tokens, draft.q, time.perf_counter()
 
     def _join(self, job, metrics: StepMetrics, target_done: float):

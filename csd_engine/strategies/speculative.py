@@ -61,7 +61,7 @@ def check_drafter(models: Models, drafter: int, strategy: str) -> None:
     require_one_device(models, strategy)
 
 
-def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metrics_index: int,
+def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metrics_index: int | None,
                 max_behind: int = 1, budget: torch.Tensor | None = None, min_confidence: float = 0.0,
                 stop_early: bool = False) -> Draft:
     """Up to k tokens drafted autoregressively by a neural drafter (sampled at the request's own
@@ -101,7 +101,8 @@ def draft_chain(drafter, state: DecodeState, k: int, verifier, stream: int, metr
         tokens.append(drawn.next_token)
         if not state.all_greedy:  # q: the distribution the draw came from, from the check's own cut-off
             probs.append(verifier.sampled_distribution(logits, state.temperature, drawn))
-    state.metrics.count_drafter(metrics_index, forwards)
+    if metrics_index is not None:  # None: the caller counts the forwards itself
+        state.metrics.count_drafter(metrics_index, forwards)
     if not tokens:
         return Draft(none, zero)
     return Draft(torch.stack(tokens, 1), length, torch.stack(probs, 1) if probs else None)
