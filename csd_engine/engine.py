@@ -30,8 +30,8 @@ from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import check_spec, load_runner, split_spec
 from csd_engine.models.quant import drafter_dense_rows
 from csd_engine.params import SamplingParams
-from csd_engine.scheduler import HEADROOM, GenerationResult, Metrics, Scheduler
-from csd_engine.strategies.base import Models, StepMetrics
+from csd_engine.scheduler import HEADROOM, GenerationResult, Scheduler
+from csd_engine.strategies.base import Models
 from csd_engine.verifier import Verifier, choose_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -236,9 +236,11 @@ class Engine:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        return [self._encode_prompt(p, i) for i, p in enumerate(prompts)]
+        return [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
 
-    def _encode_prompt(self, p, i: int | None = None) -> list[int]:
+    def encode_prompt(self, p, i: int | None = None) -> list[int]:
+        """The token ids a prompt (text, or token ids as `generate` takes them) runs as, checked
+        against the vocabulary and max_seq_len; a ValueError names prompt `i` otherwise."""
         name = "prompt" if i is None else f"prompt {i}"
         if isinstance(p, str):
             if self.tokenizer is None:
@@ -281,9 +283,10 @@ class Engine:
                 f"weights or activations overflow or are corrupt in {self.dtype}; use float32 or bfloat16 "
                 "(float16 overflows easily) or check the model's weights")
 
-    def _eos(self, p: SamplingParams) -> set:
-        """The model's end-of-sequence ids: the runner's (tokenizer and generation config, set by
-        the loader) and the tokenizer's."""
+    def eos_token_ids(self, p: SamplingParams) -> set:
+        """The ids that end a request with params `p`: the model's end-of-sequence ids, the
+        runner's (tokenizer and generation config, set by the loader) and the tokenizer's; none
+        with ignore_eos (its stop_token_ids are the caller's to add)."""
         if p.ignore_eos:
             return set()
         eos = set(getattr(self.target, "eos_token_ids", ()) or ())
@@ -291,26 +294,3 @@ class Engine:
         if tokenizer_eos is not None:
             eos |= set(tokenizer_eos) if isinstance(tokenizer_eos, (list, tuple)) else {tokenizer_eos}
         return eos
-
-    def _metrics(self, m: StepMetrics, row: int, n_new: int, forwards: list[int], waits: dict, wall: float,
-                 first_token: float) -> Metrics:
-        level_accepted, level_drafted = m.level_accepted[:, row].tolist(), m.level_drafted[:, row].tolist()
-        accepted, drafted = level_accepted[0], level_drafted[0]
-        a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
-        by_pos = [x / y for x, y in zip(a, d) if y > 0]
-        a, d = a[:len(by_pos)], d[:len(by_pos)]
-        # a level this row drafted nothing for has no rate (m.levels is the batch's: other rows' reviews)
-        by_level = {lvl: level_accepted[lvl] / max(level_drafted[lvl], 1) for lvl in sorted(m.levels)
-                    if lvl == 0 or level_drafted[lvl] > 0}
-        draft_lengths = {} if m.draft_lengths is None else {
-            length: rounds for length, rounds in enumerate(m.draft_lengths[row].tolist()) if rounds}
-        sizes = [self.target.num_params] + [0 if isinstance(d, MaG) else d.num_params for d in self.drafters]
-        cost = sum(f * s for f, s in zip(forwards, sizes))
-        ar_cost = n_new * self.target.num_params
-        return Metrics(new_tokens=n_new, target_forwards=forwards[0], drafter_forwards=forwards[1:],
-                       wall_time_s=wall, tokens_per_s=n_new / wall if wall > 0 else 0.0,
-                       mean_accepted_tokens=n_new / max(forwards[0], 1), accepted=accepted, drafted=drafted,
-                       acceptance_by_position=by_pos, acceptance_by_level=by_level,
-                       swi=ar_cost / cost if cost else 1.0, draft_lengths=draft_lengths,
-                       wait_time_s=waits, time_to_first_token_s=first_token,
-                       accepted_per_position=a, drafted_per_position=d)

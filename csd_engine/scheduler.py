@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.random import fold_seed
 from csd_engine.params import SamplingParams
 from csd_engine.models.llama import LlamaRunner
@@ -128,6 +129,31 @@ def _release_engine(engine) -> None:
     engine._busy.release()
 
 
+def request_metrics(m: StepMetrics, row: int, n_new: int, forwards: list[int], waits: dict, wall: float,
+                    first_token: float, sizes: list[int]) -> Metrics:
+    """A finished request's Metrics from its row's step counters and its own forwards and waits;
+    `sizes`: each model's parameters (target first, MaG 0), which weigh the forwards for the SWI."""
+    level_accepted, level_drafted = m.level_accepted[:, row].tolist(), m.level_drafted[:, row].tolist()
+    accepted, drafted = level_accepted[0], level_drafted[0]
+    a, d = m.accepted_by_position[row].tolist(), m.drafted_by_position[row].tolist()
+    by_pos = [x / y for x, y in zip(a, d) if y > 0]
+    a, d = a[:len(by_pos)], d[:len(by_pos)]
+    # a level this row drafted nothing for has no rate (m.levels is the batch's: other rows' reviews)
+    by_level = {lvl: level_accepted[lvl] / max(level_drafted[lvl], 1) for lvl in sorted(m.levels)
+                if lvl == 0 or level_drafted[lvl] > 0}
+    draft_lengths = {} if m.draft_lengths is None else {
+        length: rounds for length, rounds in enumerate(m.draft_lengths[row].tolist()) if rounds}
+    cost = sum(f * s for f, s in zip(forwards, sizes))
+    ar_cost = n_new * sizes[0]
+    return Metrics(new_tokens=n_new, target_forwards=forwards[0], drafter_forwards=forwards[1:],
+                   wall_time_s=wall, tokens_per_s=n_new / wall if wall > 0 else 0.0,
+                   mean_accepted_tokens=n_new / max(forwards[0], 1), accepted=accepted, drafted=drafted,
+                   acceptance_by_position=by_pos, acceptance_by_level=by_level,
+                   swi=ar_cost / cost if cost else 1.0, draft_lengths=draft_lengths,
+                   wait_time_s=waits, time_to_first_token_s=first_token,
+                   accepted_per_position=a, drafted_per_position=d)
+
+
 class QueueFull(RuntimeError):
     """`max_waiting` requests already wait beyond the free rows."""
 
@@ -209,6 +235,8 @@ class Scheduler:
                             "Speculative, Cascade, Staged, Pearl")
         kept = engine._kept_steps
         reuse = kept is not None and kept.rows == rows and kept.strategy == strategy
+        self.model_sizes = [engine.target.num_params] + [0 if isinstance(d, MaG) else d.num_params
+                                                         for d in engine.drafters]  # weigh forwards (SWI)
         # building the decoder validates the strategy against the drafters (a kept one was)
         decoder = kept.decoder if reuse else strategy.decoder(engine._decoder_models())
         if not isinstance(decoder, Decoder):
@@ -296,7 +324,7 @@ class Scheduler:
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ValueError(f"stop_token_ids {list(params.stop_token_ids)} has ids outside the vocabulary "
                              f"[0, {vocab})")
-        ids = self.engine._encode_prompt(prompt)
+        ids = self.engine.encode_prompt(prompt)
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in taken:
@@ -305,7 +333,7 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine = self.engine
         text = None if engine.tokenizer is None else IncrementalText(engine.tokenizer, params.stop or ())
-        return Request(request_id, ids, params, set(params.stop_token_ids or ()) | engine._eos(params),
+        return Request(request_id, ids, params, set(params.stop_token_ids or ()) | engine.eos_token_ids(params),
                        min(params.max_new_tokens, engine.max_seq_len - len(ids)), time.perf_counter(), text,
                        logprobs=[] if params.logprobs else None, forwards=[0] * (1 + len(engine.drafters)))
 
@@ -451,8 +479,9 @@ class Scheduler:
 
     def _result(self, request: Request):
         text = None if request.text is None else request.text.text
-        metrics = self.engine._metrics(self.state.metrics, request.row, len(request.output), request.forwards,
-                                       request.waits, request.done_s, request.first_token_s) if request.ready else None
+        metrics = request_metrics(self.state.metrics, request.row, len(request.output), request.forwards,
+                                  request.waits, request.done_s, request.first_token_s,
+                                  self.model_sizes) if request.ready else None
         return GenerationResult(list(request.output), text, request.finish, metrics, request.logprobs,
                                 request.error, request.failed_models)
 

@@ -161,7 +161,7 @@ class AsyncEngine:
     async def encode(self, prompt) -> list[int]:
         """The prompt's token ids, checked as `add` checks them (ValueError naming the problem:
         empty, too long for max_seq_len, ids outside the vocabulary, no tokenizer for text)."""
-        return await self.tokenize(lambda: self.engine._encode_prompt(prompt))
+        return await self.tokenize(lambda: self.engine.encode_prompt(prompt))
 
     def stats(self) -> dict:
         """Requests waiting for a row and running (as of the last step), rows, max_waiting, and

@@ -203,7 +203,7 @@ def test_the_wrapper_describes_the_model_as_the_runner_does():
     graphed.eos_token_ids = (5,)
     assert runner.eos_token_ids == (5,)
     engine = Engine(graphed, max_batch_size=2)
-    assert engine.max_seq_len == 300 - 256 and engine._eos(SamplingParams()) == {5}
+    assert engine.max_seq_len == 300 - 256 and engine.eos_token_ids(SamplingParams()) == {5}
 
 
 # -- capture and replay (GPU) ---------------------------------------------------------------------
