@@ -24,6 +24,7 @@ import threading
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.llama import LlamaRunner
@@ -81,7 +82,7 @@ class Engine:
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 2)):
             if name == "max_seq_len" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}" + (" (or None: the default)" * (low == 2))
                                  + f", got {value!r}")
         if native is not None and not isinstance(native, bool):

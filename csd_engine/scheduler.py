@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.random import fold_seed
 from csd_engine.params import SamplingParams
@@ -220,12 +221,12 @@ class Scheduler:
     def __init__(self, engine, strategy, rows: int | None = None, max_waiting: int | None = None,
                  prefill_chunk: int | None = None):
         rows = engine.max_batch_size if rows is None else rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= engine.max_batch_size:
+        if not is_int(rows) or not 1 <= rows <= engine.max_batch_size:
             raise ValueError(f"rows must be an int in [1, max_batch_size={engine.max_batch_size}], got {rows!r}")
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+        if max_waiting is not None and (not is_int(max_waiting)
                                         or max_waiting < 0):
             raise ValueError(f"max_waiting must be None (unbounded) or an int >= 0, got {max_waiting!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+        if prefill_chunk is not None and (not is_int(prefill_chunk)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None (whole prompts) or an int >= 1, got {prefill_chunk!r}")
         if isinstance(strategy, type):

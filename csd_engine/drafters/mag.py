@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.mag import mag_extend, mag_extend_ref, mag_propose, mag_propose_ref
 
@@ -60,7 +61,7 @@ class MaG:
                                 f"{tuple(bigram.shape)}, got {getattr(bigram_prob, 'dtype', type(bigram_prob))} "
                                 f"{tuple(getattr(bigram_prob, 'shape', ()))}")
         for name, value, low in (("min_match", min_match, 1), ("max_match", max_match, 1), ("copy_passes", copy_passes, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if min_match > max_match:
             raise ValueError(f"min_match ({min_match}) must not exceed max_match ({max_match})")
@@ -123,9 +124,9 @@ class MaG:
             if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.shape != (batch,):
                 raise TypeError(f"{name} must be an int64 tensor [{batch}], got "
                                 f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if not is_int(m) or m < 1:
             raise ValueError(f"m must be a positive int, got {m!r}")
-        if search_bound is not None and (isinstance(search_bound, bool) or not isinstance(search_bound, int)
+        if search_bound is not None and (not is_int(search_bound)
                                          or search_bound < 0):
             raise ValueError(f"search_bound must be None or an int >= 0, got {search_bound!r}")
         if self.bigram is not None and self.bigram.device != tokens.device:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.models.cache import KVCache
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.runner import ForwardBatch, Runner
@@ -45,7 +46,7 @@ class GraphKey:
 
 def batch_buckets(max_batch: int) -> list[int]:
     """[1, 2, 4, ...] below max_batch, then max_batch: a batch fills more than half its bucket."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+    if not is_int(max_batch) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     return [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
 
@@ -110,7 +111,7 @@ class GraphedRunner(Runner):
     def __init__(self, runner: LlamaRunner, max_tokens: int = 32, max_batch: int | None = None):
         if not isinstance(runner, LlamaRunner):
             raise TypeError(f"GraphedRunner wraps the native LlamaRunner, got {type(runner).__name__}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if max_batch is not None:
             batch_buckets(max_batch)  # validates it

@@ -34,6 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from csd_engine.checks import is_int
 from csd_engine import ops
 from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
@@ -208,7 +209,7 @@ class LlamaRunner(Runner):
     def truncated(self, layers: int) -> "LlamaRunner":
         """An early-exit drafter: this model's first `layers` layers, then its final norm and
         lm_head. The same weight tensors (no copy), a cache of its own (call `allocate`)."""
-        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.num_layers:
+        if not is_int(layers) or not 1 <= layers <= self.num_layers:
             raise ValueError(f"an early exit keeps 1 to {self.num_layers} layers of this model, got {layers!r}")
         view = copy.copy(self)
         for name in ("cache", "full_cache", "nonfinite_rows"):

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 
@@ -34,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from csd_engine.checks import is_int, is_number
 from csd_engine.params import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 from csd_engine.scheduler import QueueFull, RequestOutput
 from csd_engine.serving.async_engine import EngineStopped
@@ -78,18 +78,10 @@ def _show(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_neutral(value, neutral) -> bool:
     """`value` is `neutral` in value and kind (a penalty may be 0 or 0.0; best_of 1, not true)."""
     if isinstance(neutral, float):
-        return _is_number(value) and value == neutral
+        return is_number(value) and value == neutral
     return type(value) is type(neutral) and value == neutral
 
 
@@ -115,7 +107,7 @@ class Body:
         value = self.body.get(name)
         if value is None:
             return default
-        if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        if not is_int(value) or (low is not None and value < low) or (high is not None and value > high):
             bounds = f" >= {low}" if high is None else f" in [{low}, {high}]"
             raise _bad(name, f"{name} must be an integer{bounds if low is not None else ''}{extra}, got {_show(value)}")
         return value
@@ -124,7 +116,7 @@ class Body:
         value = self.body.get(name)
         if value is None:
             return default
-        if not _is_number(value) or not check(value):
+        if not is_number(value) or not check(value):
             raise _bad(name, f"{name} must be {allowed}, got {_show(value)}")
         return float(value)
 
@@ -159,7 +151,7 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
         raise _bad("stop", f"stop must be a non-empty string or a list of them, got {_show(body.body['stop'])}")
     stop_ids = body.body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list)
-                                 or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids)):
+                                 or not all(is_int(t) and 0 <= t < vocab_size for t in stop_ids)):
         raise _bad("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {vocab_size}), "
                                      f"got {_show(stop_ids)}")
     if chat:
@@ -169,7 +161,7 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
                                        f"the chosen tokens' log-probabilities), got {_show(body.body['top_logprobs'])}")
     else:
         value = body.body.get("logprobs")
-        if value is not None and not isinstance(value, bool) and not (_is_int(value) and value == 0):
+        if value is not None and not isinstance(value, bool) and not (is_int(value) and value == 0):
             raise _bad("logprobs", f"logprobs must be true, false or 0: alternatives are not returned (0 or true "
                                    f"gives the chosen tokens' log-probabilities), got {_show(value)}")
         logprobs = value is not None and value is not False
@@ -235,10 +227,10 @@ def _is_unicode(text: str) -> bool:
 def completion_prompts(body: Body) -> list:
     """`prompt` as a list of prompts: text, token ids, or a list of either."""
     prompt = body.body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
+            isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p)) for p in prompt):
         return prompt
     if prompt == [] or prompt == "":
         raise _bad("prompt", "prompt is empty")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.commit import commit as commit_rows, commit_ref
 from csd_engine.kernels.random import stream_seed
@@ -258,11 +259,6 @@ class Decoder:
             state.max_committed = exact
         state.follow_plan(plan)
         return out, plan
-
-
-def is_int(value) -> bool:
-    """An int, not a bool (a strategy's counts and indexes)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_drafter_index(drafter, strategy: str) -> None:

@@ -8,23 +8,20 @@ however often it runs.
 """
 import torch
 
+from csd_engine.checks import is_number
 from csd_engine import ops
 from csd_engine.strategies.base import Models
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_pricing(owner: str, prior, prior_rate, model_cost, width_cost) -> None:
     """The pricing settings Speculative.auto() and Cascade.auto() share; `owner` names the
     strategy in the error."""
-    if not _is_number(prior) or not prior > 0:
+    if not is_number(prior) or not prior > 0:
         raise ValueError(f"{owner}(prior=...) must be a number > 0 (drafts' worth), got {prior!r}")
-    if not _is_number(prior_rate) or not 0 <= prior_rate < 1:
+    if not is_number(prior_rate) or not 0 <= prior_rate < 1:
         raise ValueError(f"{owner}(prior_rate=...) must be a number in [0, 1), got {prior_rate!r}")
     for name, value in (("model_cost", model_cost), ("width_cost", width_cost)):
-        if value is not None and (not _is_number(value) or not 0 <= value < float("inf")):
+        if value is not None and (not is_number(value) or not 0 <= value < float("inf")):
             raise ValueError(f"{owner}({name}=...) must be a number >= 0 (relative to one target forward) or None "
                              f"(the platform's default), got {value!r}")
 

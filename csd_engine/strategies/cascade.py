@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.random import stream_seed
@@ -44,7 +45,7 @@ from csd_engine.kernels.review import review_bookkeeping, review_bookkeeping_ref
 from csd_engine.kernels.sampling import one_hot
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
-from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit, is_int,
+from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit,
                                         require_one_device, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
@@ -80,7 +81,7 @@ class AutoCascade:
     tree: tuple = ()  # the top-level tree a row may choose (candidates per depth, trunk included); (): never
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"Cascade.auto(max_tokens=...) must be an int >= 1, got {self.max_tokens!r}")
         check_settings("Cascade.auto", self.lenience, self.mag_tokens, self.direct_match, self.direct_tokens)
         check_pricing("Cascade.auto", self.prior, self.prior_rate, self.model_cost, self.width_cost)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.sampling import one_hot
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
@@ -82,7 +83,7 @@ class Pearl:
     overlap: bool | None = None
 
     def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
+        if not is_int(self.gamma) or not 1 <= self.gamma <= 64:
             raise ValueError(f"Pearl.gamma must be an int in [1, 64], got {self.gamma!r}")
         check_drafter_index(self.drafter, "Pearl")
         if not isinstance(self.adaptive, bool):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Decoder, Draft, Models, StepOutput, catch_up_tokens,
                                         check_drafter_index, commit, forward_tokens, logits_at, require_one_device,
@@ -28,7 +29,7 @@ class Speculative:
     min_confidence: float = 0.0
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 64:
+        if not is_int(self.k) or not 1 <= self.k <= 64:
             raise ValueError(f"Speculative.k must be an int in [1, 64], got {self.k!r}")
         check_drafter_index(self.drafter, "Speculative")
         check_confidence(self.min_confidence, "Speculative")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models, StepOutput, check_drafter_index,
                                         commit, roll_back_drafters, verify_chain)
@@ -37,7 +38,7 @@ class AutoSpeculative:
     width_cost: float | None = None  # one more token's cost in a target forward (default: the platform's curve)
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 64:
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= 64:
             raise ValueError(f"Speculative.auto(max_tokens=...) must be an int in [1, 64], got {self.max_tokens!r}")
         check_drafter_index(self.drafter, "Speculative.auto")
         check_confidence(self.min_confidence, "Speculative.auto")

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.ops import PADDING
-from csd_engine.strategies.base import (DecodeState, Decoder, Models, StepOutput, check_drafter_index, commit, is_int,
+from csd_engine.strategies.base import (DecodeState, Decoder, Models, StepOutput, check_drafter_index, commit,
                                         require_one_device)
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)

@@ -1,0 +1,13 @@
+"""Type checks that the constructors' validation shares: a count is an int and never a bool
+(True would pass as 1), a setting a finite real number."""
+import math
+
+
+def is_int(value) -> bool:
+    """A Python int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
