@@ -50,9 +50,9 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, tree_ptr, max_ptr, de
                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr, HAS_TREE: tl.constexpr,
                   UPCAST_DOTS: tl.constexpr):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # b * stride_kb and the partials' offsets pass 2**31 at real sizes
     split = tl.program_id(1)
-    b = (pid_bh // kv_heads).to(tl.int64)  # b * stride_kb can pass 2**31 on a large cache
+    b = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
     cache_len = tl.load(lens_ptr + b)
     start = split * chunk
@@ -117,10 +117,10 @@ def _attention_merge_kernel(lens_ptr, max_ptr, den_ptr, acc_ptr, out_ptr,
                   stride_ob, stride_on, stride_oh, stride_od,
                   n, kv_heads, capacity, chunk, num_splits,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # as in phase 1: the partials' offsets pass 2**31 at real sizes
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < ROWS
-    b = (pid_bh // kv_heads).to(tl.int64)
+    b = pid_bh // kv_heads
     head = (pid_bh % kv_heads) * GROUP + rows % GROUP
     dims = tl.arange(0, HEAD_DIM)
     out = (out_ptr + b * stride_ob + (rows // GROUP)[:, None] * stride_on + head[:, None] * stride_oh

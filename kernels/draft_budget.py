@@ -162,10 +162,10 @@ def draft_budgets(grid: Grid, width_costs: torch.Tensor, counts: Counts,
         return pick
     nodes, extra = _tree_tables(grid.tree, grid.max_tokens + grid.mag_tokens, device)
     dummy = pick
-    pointers = [x for p in pairs for x in (p if p is not None else (dummy, dummy))]
+    pointers = [x.contiguous() for p in pairs for x in (p if p is not None else (dummy, dummy))]  # read as [B]
     trees, na, n = grid.shape[:3]
     _budget_kernel[(batch,)](
-        *pointers, ready if ready is not None else dummy, width_costs, nodes, extra, pick, batch,
+        *pointers, ready.contiguous() if ready is not None else dummy, width_costs, nodes, extra, pick, batch,
         float(grid.model_cost), float(grid.prior), float(grid.prior_rate), A=grid.max_tokens, M=grid.mag_tokens,
         D=max(1, len(grid.tree)), TREES=trees, NEURAL=counts.model is not None, HAS_MAG=counts.mag is not None,
         STOPS_EARLY=grid.stops_early and counts.model is not None, HAS_READY=ready is not None, BLOCK=triton.next_power_of_2(trees * na * n * n))

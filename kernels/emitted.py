@@ -47,7 +47,7 @@ def _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_
 def _emitted_sums_kernel(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr, stride_db,
                  num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, sums_ptr, K, V,
                  BLOCKS, HAS_Q: tl.constexpr, PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr):
-    pid = tl.program_id(0)  # row * (K + 1) + j
+    pid = tl.program_id(0).to(tl.int64)  # row * (K + 1) + j; int64: row * stride_lb can pass 2**31
     block = tl.program_id(1)
     row, j = pid // (K + 1), pid % (K + 1)
     _, _, _, a, r, _, _, _ = _block(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, stride_qj, draft_tokens_ptr,
@@ -64,7 +64,7 @@ def _emitted_write_kernel(logits_ptr, stride_lb, stride_lj, q_ptr, stride_qb, st
                   num_drafts_ptr, temperature_ptr, lenience_ptr, lenience_value, threshold_ptr, lse_ptr, sums_ptr,
                   accepted_ptr, next_token_ptr, out_ptr, K, V, BLOCKS, HAS_Q: tl.constexpr,
                   PER_ROW_LENIENCE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_POW2: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     row, j = pid // (K + 1), pid % (K + 1)
     offs, in_row, p, a, r, sampling, drafted, token = _block(
@@ -98,19 +98,23 @@ def emitted_distribution(logits: torch.Tensor, draft_tokens: torch.Tensor, num_d
     has_q = draft_probs is not None
     q = draft_probs if not has_q or draft_probs.stride(2) == 1 else draft_probs.contiguous()
     q = q if has_q else logits  # a placeholder pointer, never read
-    draft_tokens = draft_tokens if draft_tokens.numel() else torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    # read with stride 1 along positions, and the per-row vectors as dense [B] arrays
+    draft_tokens = draft_tokens.contiguous() if draft_tokens.numel() else \
+        torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    num_drafts = num_drafts.contiguous()
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     blocks = triton.cdiv(vocab, block_v)
     sums = torch.empty(batch * positions, blocks, 2, dtype=torch.float32, device=device)
     *lenience_ptr_value, per_row = lenience_args(lenience, result.lse)
     out = torch.empty(batch, positions, vocab, dtype=torch.float32, device=device)
     rows = (logits, logits.stride(0), logits.stride(1), q, q.stride(0), q.stride(1), draft_tokens,
-            draft_tokens.stride(0), num_drafts, temperature.float(), *lenience_ptr_value,
+            draft_tokens.stride(0), num_drafts, temperature.float().contiguous(), *lenience_ptr_value,
             result.threshold.contiguous(), result.lse.contiguous())
     grid = (batch * positions, blocks)
     _emitted_sums_kernel[grid](*rows, sums, positions - 1, vocab, blocks, HAS_Q=has_q, PER_ROW_LENIENCE=per_row,
                                BLOCK_V=block_v)
-    _emitted_write_kernel[grid](*rows, sums, result.num_accepted, result.next_token, out, positions - 1, vocab, blocks,
+    _emitted_write_kernel[grid](*rows, sums, result.num_accepted.contiguous(), result.next_token.contiguous(), out,
+                                positions - 1, vocab, blocks,
                         HAS_Q=has_q, PER_ROW_LENIENCE=per_row, BLOCK_V=block_v,
                         BLOCKS_POW2=triton.next_power_of_2(blocks))
     return out

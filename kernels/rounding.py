@@ -15,5 +15,7 @@ def round_to(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        x = bits.to(tl.float32, bitcast=True)
+        # a NaN stays one (a quiet one, which the final cast keeps): the carry would turn GPUs'
+        # canonical NaN 0x7FFFFFFF into -0.0, and truncation 0x7F800001 into inf
+        x = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
