@@ -334,7 +334,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if _HAS_CPU_LAYER_OPS:
     @torch.library.register_fake("csd_engine::add_rmsnorm")
     def _add_rmsnorm_fake(h, weight, eps, delta=None):
-        return torch.empty_like(h), h.new_empty(h.shape if delta is not None else (0,))
+        return h.new_empty(h.shape), h.new_empty(h.shape if delta is not None else (0,))  # contiguous, as the op
 
     @torch.library.register_fake("csd_engine::rope_and_cache")
     def _rope_and_cache_fake(qkv, positions, inv_freq, scaling, k_cache, v_cache, lengths, q_heads, kv_heads,
@@ -343,7 +343,7 @@ if _HAS_CPU_LAYER_OPS:
 
     @torch.library.register_fake("csd_engine::decode_attention")
     def _decode_attention_fake(q, k_cache, v_cache, lengths, tree_mask=None):
-        return torch.empty_like(q)
+        return q.new_empty(q.shape)  # contiguous, as the op returns it
 
     @torch.library.register_fake("csd_engine::silu_mul")
     def _silu_mul_fake(gate_up):

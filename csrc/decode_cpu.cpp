@@ -144,18 +144,21 @@ at::Tensor rope_and_cache_cpu(const at::Tensor& qkv, const at::Tensor& positions
   TORCH_CHECK_VALUE(head_dim >= 2 && head_dim % 2 == 0, "rope_and_cache: head_dim must be even, got ", head_dim);
   const int64_t b = qkv.size(0), n = qkv.size(1);
   TORCH_CHECK_VALUE(positions.sizes() == at::IntArrayRef({b, n}) && positions.scalar_type() == at::kLong,
-                    "rope_and_cache: positions must be int64 [", b, ", ", n, "], got ", positions.sizes());
+                    "rope_and_cache: positions must be int64 [", b, ", ", n, "], got ", positions.scalar_type(), " ",
+                    positions.sizes());
   TORCH_CHECK_VALUE(lengths.sizes() == at::IntArrayRef({b}) && lengths.scalar_type() == at::kLong,
-                    "rope_and_cache: lengths must be int64 [", b, "], got ", lengths.sizes());
+                    "rope_and_cache: lengths must be int64 [", b, "], got ", lengths.scalar_type(), " ", lengths.sizes());
   TORCH_CHECK_VALUE(inv_freq.sizes() == at::IntArrayRef({head_dim / 2}) && inv_freq.scalar_type() == at::kFloat,
-                    "rope_and_cache: inv_freq must be float32 [", head_dim / 2, "], got ", inv_freq.sizes());
+                    "rope_and_cache: inv_freq must be float32 [", head_dim / 2, "], got ", inv_freq.scalar_type(), " ",
+                    inv_freq.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(0) == b && k_cache.size(1) == kv_heads &&
                         k_cache.size(3) == head_dim && k_cache.sizes() == v_cache.sizes() &&
                         k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
                         k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
                     "rope_and_cache: k_cache and v_cache must both be [", b, ", ", kv_heads, ", S, ", head_dim,
-                    "] in qkv's dtype, contiguous along head_dim with equal strides, got ", k_cache.sizes(), " and ",
-                    v_cache.sizes());
+                    "] in qkv's dtype (", qkv.scalar_type(), "), contiguous along head_dim with equal strides, got ",
+                    k_cache.scalar_type(), " ", k_cache.sizes(), " strides ", k_cache.strides(), " and ",
+                    v_cache.scalar_type(), " ", v_cache.sizes(), " strides ", v_cache.strides());
   const int64_t capacity = k_cache.size(2);
   const at::Tensor x = qkv.contiguous(), pos = positions.contiguous(), freq = inv_freq.contiguous();
   const at::Tensor lens = lengths.contiguous();
@@ -163,7 +166,8 @@ at::Tensor rope_and_cache_cpu(const at::Tensor& qkv, const at::Tensor& positions
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   for (int64_t row = 0; row < b; ++row) {
     // a negative slot wraps to the end of the row, as in kernels/rope.py (padded graph rows)
-    TORCH_CHECK_VALUE(lp[row] >= -capacity && lp[row] + n <= capacity, "rope_and_cache: row ", row,
+    // (compared without adding n to the length: a huge length must not wrap into range)
+    TORCH_CHECK_VALUE(lp[row] >= -capacity && lp[row] <= capacity - n, "rope_and_cache: row ", row,
                       " writes slots ", lp[row], "..", lp[row] + n - 1, " of a cache of ", capacity);
   }
   at::Tensor q = at::empty({b, n, q_heads, head_dim}, qkv.options());
@@ -201,13 +205,15 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                         k_cache.stride(3) == 1 && k_cache.scalar_type() == q.scalar_type() &&
                         v_cache.scalar_type() == q.scalar_type(),
                     "decode_attention: k_cache and v_cache must both be [", b, ", kv_heads, S, ", head_dim,
-                    "] in q's dtype, contiguous along head_dim with equal strides, got ", k_cache.sizes(), " and ",
-                    v_cache.sizes());
+                    "] in q's dtype (", q.scalar_type(), "), contiguous along head_dim with equal strides, got ",
+                    k_cache.scalar_type(), " ", k_cache.sizes(), " strides ", k_cache.strides(), " and ",
+                    v_cache.scalar_type(), " ", v_cache.sizes(), " strides ", v_cache.strides());
   const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2);
   TORCH_CHECK_VALUE(kv_heads > 0 && q_heads % kv_heads == 0,
                     "decode_attention: q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK_VALUE(lengths.sizes() == at::IntArrayRef({b}) && lengths.scalar_type() == at::kLong,
-                    "decode_attention: lengths must be int64 [", b, "], got ", lengths.sizes());
+                    "decode_attention: lengths must be int64 [", b, "], got ", lengths.scalar_type(), " ",
+                    lengths.sizes());
   if (tree_mask.has_value()) {
     TORCH_CHECK_VALUE(tree_mask->sizes() == at::IntArrayRef({b, n, n}) && tree_mask->scalar_type() == at::kBool,
                       "decode_attention: tree_mask must be bool [", b, ", ", n, ", ", n, "], got ",
@@ -216,7 +222,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const at::Tensor lens = lengths.contiguous();
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   for (int64_t row = 0; row < b; ++row) {
-    TORCH_CHECK_VALUE(lp[row] + n <= capacity, "decode_attention: row ", row, "'s new tokens sit in slots ", lp[row],
+    TORCH_CHECK_VALUE(lp[row] <= capacity - n, "decode_attention: row ", row, "'s new tokens sit in slots ", lp[row],
                       "..", lp[row] + n - 1, ", past a cache of ", capacity, " slots");
   }
   // per row and token, the new tokens it sees in slot order (a chain: 0..t; a tree: its mask row)

@@ -199,6 +199,16 @@ def test_silu_mul_is_the_reference(dtype):
         assert (err <= bound).all(), f"worst {(err - bound).max().item():.3g}"
 
 
+def test_fake_kernels_describe_what_the_ops_return():
+    """The ops' meta functions (torch.compile, export) give the real outputs' shapes and strides,
+    also for non-contiguous inputs."""
+    q = torch.randn(1, 4, 3, 8).transpose(1, 2)  # [1, 3, 4, 8], not contiguous
+    k = torch.randn(1, 2, 16, 8)
+    torch.library.opcheck(torch.ops.csd_engine.decode_attention, (q, k, k.clone(), torch.tensor([3]), None))
+    h = torch.randn(8, 3).t()  # [3, 8], not contiguous
+    torch.library.opcheck(torch.ops.csd_engine.add_rmsnorm, (h, torch.randn(8), 1e-6, None))
+
+
 def test_bad_input_is_refused_clearly():
     h = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight must be \[8\] in h's dtype"):
@@ -226,5 +236,19 @@ def test_bad_input_is_refused_clearly():
                            torch.tensor([15]), 4, 2, 8)
     with pytest.raises(ValueError, match="last dimension must be even"):
         ops.silu_mul(torch.randn(2, 7))
+    # a length that would wrap when n is added to it is refused, never written or read through
+    huge = torch.tensor([2 ** 63 - 1])
+    guard = torch.zeros(3, 1, 2, 16, 8)
+    with pytest.raises(ValueError, match="writes slots"):
+        ops.rope_and_cache(qkv, torch.zeros(1, 2, dtype=torch.long), torch.ones(4), 1.0, guard[1], guard[1].clone(),
+                           huge, 4, 2, 8)
+    assert not guard.any(), "rope_and_cache wrote outside its cache"
+    with pytest.raises(ValueError, match="past a cache of 16 slots"):
+        ops.decode_attention(q.expand(1, 2, 4, 8), k, k.clone(), huge)
+    # a wrong dtype is named
+    with pytest.raises(ValueError, match=r"lengths must be int64 \[1\], got Int \[1\]"):
+        ops.decode_attention(q, k, k.clone(), torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"in q's dtype \(Float\).*got BFloat16"):
+        ops.decode_attention(q, k.bfloat16(), k.bfloat16(), torch.tensor([3]))
     # the ops (and the engine's runners) work as before after a refusal
     assert ops.decode_attention(q, k, k.clone(), torch.tensor([3])).shape == q.shape

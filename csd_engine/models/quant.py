@@ -145,6 +145,9 @@ def quantize_values(w: torch.Tensor, scheme: str, dtype: torch.dtype) -> Quantiz
     zero = torch.empty_like(scale) if bits == 4 else None
     for r0, r1 in _row_blocks(n, k):  # block by block, the same operations on every entry
         w32 = w[r0:r1].to(torch.float32, copy=True).view(r1 - r0, k // group, group)
+        if not bool(torch.isfinite(w32).all()):  # at load time: a NaN or inf would make every scale of its row NaN
+            raise ValueError(f"the weight holds non-finite values (NaN or inf) in rows {r0}..{r1 - 1}: it cannot be "
+                             f"quantized to {scheme}; check the checkpoint or load it unquantized")
         if bits == 8:
             s = (w32.abs().amax(-1, keepdim=True) / 127).clamp_min(tiny).to(dtype)
             w32.div_(s.float()).round_().clamp_(-127, 127)

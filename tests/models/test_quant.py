@@ -315,3 +315,13 @@ def test_shapes_and_dtypes_the_ops_cannot_take_are_refused():
     layer = quantize_weight(torch.randn(32, 64), "int8")
     with pytest.raises(ValueError, match="quantized for torch.float32 activations, got torch.bfloat16"):
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
+def test_a_weight_with_nan_or_inf_is_refused_by_name():
+    from csd_engine.models.quant import quantize_values
+    for bad in (float("nan"), float("inf")):
+        w = torch.randn(16, 128)
+        w[5, 7] = bad
+        for scheme in ("int8", "int4"):
+            with pytest.raises(ValueError, match="non-finite values .* rows 0..15: it cannot be quantized"):
+                quantize_values(w, scheme, torch.bfloat16)
