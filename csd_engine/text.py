@@ -4,9 +4,9 @@ Each step decodes only a window: the tokens since the last text it could settle,
 settled step's tokens before them as context (decoding a window alone would change how its
 first token spaces or joins), so a step costs the same however long the output is. Text is
 settled only when it does not end in U+FFFD (an incomplete UTF-8 sequence, to be completed by
-the next tokens), or, for a U+FFFD the model meant, once three more tokens leave it in place. Deltas handed out also hold back the last `len(longest stop) - 1`
-characters, which may be the start of a stop string, so the deltas, concatenated, are exactly
-the final text.
+the next tokens), or, for a U+FFFD the model meant, once three more tokens leave it in place.
+Deltas handed out also hold back the last `len(longest stop) - 1` characters, which may be the
+start of a stop string, so the deltas, concatenated, are exactly the final text.
 """
 import codecs
 import re

@@ -431,7 +431,9 @@ def top_at_zero(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor
     then keeps the gaps near the top, which float32 rounds away when the logits themselves are
     divided by a small T (logit 7 at T = 1e-6 is 7e6, spaced 0.5 apart: a tie sampled 0.55 /
     0.45 and its log-probability read -0.5). The distribution is the same; the arithmetic exact
-    where it matters (x - max is exact for x within a factor 2 of the max)."""
+    where it matters (x - max is exact for x within a factor 2 of the max). In float32, where a
+    half-precision difference would round the tail's logits."""
+    logits = logits.float()
     sampling = (temperature > 0).view(-1, *(1,) * (logits.dim() - 1))
     return logits - torch.where(sampling, logits.amax(-1, keepdim=True), 0.0)  # x - 0 is x: greedy rows keep theirs
 
