@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from csd_engine.kernels.sampling import processed, processed_ref
+from csd_engine.kernels.sampling import processed, processed_ref, top_at_zero
 from csd_engine.kernels.tree_verify import tree_verify_ref
 from csd_engine.kernels.emitted import emitted_distribution_ref
 from csd_engine.kernels.verify import reviewer_probs, verify, verify_ref
@@ -217,3 +217,16 @@ def test_references_do_not_read_the_device(count_reads, monkeypatch, filtered, w
         for all_greedy in (False, True, None):
             tree_verify_ref(**tree_inputs, all_greedy=all_greedy, filtered=filtered, check_values=False)
     assert counter.reads == [], f"host reads: {counter.reads}"
+
+
+def test_top_at_zero_moves_sampling_rows_only():
+    """Sampling rows' maxima go to 0 (per position), in float32; greedy rows are left bit for bit,
+    non-finite entries included (a NaN or inf there must not spread over its row)."""
+    x = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0)).bfloat16() * 30
+    x[0, 1, 7] = float("inf")
+    x[0, 0, 3] = float("nan")
+    out = top_at_zero(x, torch.tensor([0.0, 1e-6, 0.7]))
+    assert out.dtype == torch.float32
+    assert torch.equal(out[0].nan_to_num(0.0), x[0].float().nan_to_num(0.0)) and out[0, 0, 3].isnan()
+    assert torch.equal(out[1:].amax(-1), torch.zeros(2, 2))
+    assert torch.equal(out[1:], x[1:].float() - x[1:].float().amax(-1, keepdim=True))

@@ -30,6 +30,8 @@ CASES = {  # name -> (drafters, strategy, temperature, top_k, top_p)
     "autoregressive-top-k-p": ((), Autoregressive(), 0.8, 6, 0.9),
     "speculative-model": (("d1",), Speculative(k=3), 1.0, 0, 1.0),
     "speculative-mag": (("mag",), Speculative(k=3), 1.0, 0, 1.0),
+    # the drafter samples its drafts under the same filters: its q must be the filtered distribution
+    "speculative-model-top-k-p": (("d1",), Speculative(k=3), 0.8, 6, 0.9),
     # rows draft 2 tokens at the prior rate; the drafter's top probability is 0.32 at the first and
     # 0.21-0.83 at the second, by the first token drawn: a threshold of 0.3 stops some drafts at 1
     "speculative-auto-t0.7": (("d1",), Speculative.auto(max_tokens=3, model_cost=0.1, min_confidence=0.3),

@@ -308,3 +308,36 @@ def test_bf16_greedy_output_is_plain_decodings_exactly(models, name):
             f"{next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)}"
     if name not in ("speculative-mag", "pearl"):
         assert sum(r.metrics.accepted for r in ours) > 0, "no draft accepted: nothing was verified wide"
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "autoregressive"])
+def test_no_random_counter_is_drawn_twice(models, name):
+    """Every check (target verification, draft draws, cascade reviews, trees) draws its random
+    numbers at counters offset + j of its stream's seed, j up to the position it emits at: over a
+    whole sampled generation no (seed, counter) is used twice, or a token would be correlated
+    with an earlier one (a step that moved its offset too little reused its bonus's Gumbel noise
+    for the next step's first accept). The distribution tests look at the first two tokens
+    only, and no exactness test can see a reused counter."""
+    engine = engine_for(models, name)
+    verifier = engine.verifier
+    used = []
+
+    def recording(check):
+        def run(logits, *args, **kwargs):
+            result = check(logits, *args, **kwargs)
+            for b in range(logits.shape[0]):
+                if kwargs["temperature"][b] > 0:
+                    seed, offset = int(kwargs["seed"][b]), int(kwargs["offset"][b])
+                    used.extend((seed, offset + j) for j in range(int(result.num_accepted[b]) + 1))
+            return result
+        return run
+
+    verifier.chain, verifier.tree = recording(verifier.chain), recording(verifier.tree)
+    try:
+        for seed in range(3):  # one request at a time: no idle row replays stale counters
+            used.clear()
+            engine.generate([repetitive_prompt(seed)], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=30,
+                                                                      ignore_eos=True), strategy=STRATEGIES[name][1])
+            assert used and len(used) == len(set(used)), f"{name}: a random counter was drawn twice"
+    finally:
+        del verifier.chain, verifier.tree  # the class's methods again
