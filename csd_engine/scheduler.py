@@ -223,11 +223,9 @@ class Scheduler:
         rows = engine.max_batch_size if rows is None else rows
         if not is_int(rows) or not 1 <= rows <= engine.max_batch_size:
             raise ValueError(f"rows must be an int in [1, max_batch_size={engine.max_batch_size}], got {rows!r}")
-        if max_waiting is not None and (not is_int(max_waiting)
-                                        or max_waiting < 0):
+        if max_waiting is not None and (not is_int(max_waiting) or max_waiting < 0):
             raise ValueError(f"max_waiting must be None (unbounded) or an int >= 0, got {max_waiting!r}")
-        if prefill_chunk is not None and (not is_int(prefill_chunk)
-                                          or prefill_chunk < 1):
+        if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None (whole prompts) or an int >= 1, got {prefill_chunk!r}")
         if isinstance(strategy, type):
             raise TypeError(f"strategy must be a strategy object, e.g. {strategy.__name__}(), got the class itself")

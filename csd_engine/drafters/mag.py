@@ -126,8 +126,7 @@ class MaG:
                                 f"{getattr(value, 'dtype', type(value))} {tuple(getattr(value, 'shape', ()))}")
         if not is_int(m) or m < 1:
             raise ValueError(f"m must be a positive int, got {m!r}")
-        if search_bound is not None and (not is_int(search_bound)
-                                         or search_bound < 0):
+        if search_bound is not None and (not is_int(search_bound) or search_bound < 0):
             raise ValueError(f"search_bound must be None or an int >= 0, got {search_bound!r}")
         if self.bigram is not None and self.bigram.device != tokens.device:
             raise ValueError(f"the bigram table is on {self.bigram.device}, tokens on {tokens.device}: call MaG.to")

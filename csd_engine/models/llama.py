@@ -34,8 +34,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from csd_engine.checks import is_int
 from csd_engine import ops
+from csd_engine.checks import is_int
 from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate

@@ -8,8 +8,8 @@ however often it runs.
 """
 import torch
 
-from csd_engine.checks import is_number
 from csd_engine import ops
+from csd_engine.checks import is_number
 from csd_engine.strategies.base import Models
 
 
