@@ -13,7 +13,7 @@ the strategy's configuration and the `plan` the engine read with the previous st
 on the data (accepted counts, per-row draft lengths, which rows still draft) stays on the
 device as lengths and masks, so a step reads nothing back (docs: engine docstring).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -252,11 +252,7 @@ class Decoder:
         The step committed up to max_tokens_per_forward tokens per row past the host's
         max_committed, which the plan's work (MaG's search) must still cover."""
         out = self.step(state, plan)
-        exact, state.max_committed = state.max_committed, state.max_committed + self.max_tokens_per_forward
-        try:
-            plan = self.plan(state)
-        finally:
-            state.max_committed = exact
+        plan = self.plan(replace(state, max_committed=state.max_committed + self.max_tokens_per_forward))
         state.follow_plan(plan)
         return out, plan
 
