@@ -37,6 +37,7 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.random import fold_seed
 from csd_engine.params import SamplingParams
 from csd_engine.models.llama import LlamaRunner
+from csd_engine.models.runner import on_device
 from csd_engine.step_graphs import CudaCapture, StepGraphs
 from csd_engine.strategies.base import DecodeState, Decoder, StepMetrics
 from csd_engine.text import IncrementalText
@@ -370,6 +371,10 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one decoding step, and return every request's increment."""
         self._check_open()
+        with on_device(self.engine.device):  # the thread driving this scheduler launches on the engine's GPU
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, freed = self._abort()
         self._empty_freed_rows()
         if self._admit() | self._prefill_chunks() or freed:  # the live rows changed: their plan rows too

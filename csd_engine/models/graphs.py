@@ -203,7 +203,9 @@ class GraphedRunner(Runner):
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's ordinary CUDA work (PEARL) must not void the capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            # On the side stream: torch's default capture stream is one per process, made on
+            # whichever device was current first (a drafter on another GPU would capture nothing).
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 logits = self._forward_static(inputs)
         return graph, logits
 

@@ -5,6 +5,7 @@ explicit positions. Their keys/values go to slots `cache.lengths[b] .. + n - 1`;
 strategy then commits what it accepted with `cache.advance`. Rows never wait on each other:
 ragged acceptance is just different `lengths`.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,13 @@ import torch
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.nonfinite import flag_nonfinite, flag_nonfinite_ref
 from csd_engine.models.cache import KVCache
+
+
+def on_device(device: torch.device):
+    """Makes `device` the current CUDA device for what runs inside (a no-op off CUDA). Triton
+    launches on the current device whatever its tensors' device: a model on cuda:1, or PEARL's
+    drafter on a second GPU driven from another thread, needs this around its work."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -112,7 +120,8 @@ class Runner:
                                   "needs to start requests (see LlamaRunner.prefill)")
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
-        logits = self.forward(batch)
-        if logits is not None and self.nonfinite_rows is not None:
-            (flag_nonfinite if use_kernels(logits) else flag_nonfinite_ref)(logits, self.nonfinite_rows)
+        with on_device(self.device):  # prefill goes through here too
+            logits = self.forward(batch)
+            if logits is not None and self.nonfinite_rows is not None:
+                (flag_nonfinite if use_kernels(logits) else flag_nonfinite_ref)(logits, self.nonfinite_rows)
         return logits

@@ -57,6 +57,7 @@ import torch
 from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.sampling import one_hot
+from csd_engine.models.runner import on_device
 from csd_engine.strategies.base import (DRAFT_STREAM, TARGET_STREAM, DecodeState, Decoder, Models, StepMetrics, StepOutput,
                                         check_drafter_index, commit, emitted_block, emitted_logprobs, forward_tokens)
 from csd_engine.strategies.speculative import SpeculativeDecoder, draft_chain
@@ -200,9 +201,12 @@ class PearlDecoder(Decoder):
         return out
 
     def _submit_drafter(self, state: DecodeState, post: torch.Tensor, any_post: bool):
-        if self.side_stream is not None and self.target_device.type == "cuda":
-            # the drafter's inputs were produced on the target's main stream
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.target_device))
+        if self.side_stream is not None:
+            # the drafter's inputs come from the target's main stream, and the main thread rolled
+            # back (or prefilled) the drafter's cache on the drafter device's own
+            if self.target_device.type == "cuda":
+                self.side_stream.wait_stream(torch.cuda.current_stream(self.target_device))
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.drafter_device))
         return self.pool.submit(self._draft, state, post, any_post)
 
     def _draft(self, state: DecodeState, post: torch.Tensor, any_post: bool):
@@ -210,7 +214,7 @@ class PearlDecoder(Decoder):
         cache, i.e. after `pending` (pre-verify) or after the carried drafts (post-verify).
         Returns (tokens [B, γ], distributions [B, γ, V] or None, the host time it finished)."""
         side = contextlib.nullcontext() if self.side_stream is None else torch.cuda.stream(self.side_stream)
-        with side:
+        with on_device(self.drafter_device), side:  # this thread's current device is not the main one's
             first = torch.where(post, self.carry[:, -1], state.pending) if any_post else state.pending
             # Seen from draft_chain, the drafter's cache is the committed prefix and `first` the
             # pending token; a row may be gamma-1 ahead of `committed` (also a finished row).

@@ -313,6 +313,21 @@ def test_target_on_the_cpu_and_drafter_on_cuda_equals_autoregressive(models):
                                         Pearl(gamma=3, overlap=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_models_on_a_second_gpu_equal_autoregressive(models):
+    """Triton launches on the current device, whatever its tensors' device: an engine on cuda:1,
+    and PEARL's drafter on cuda:1 driven from its worker thread (current device: cuda:0), run
+    their kernels under the right device (models.runner.on_device)."""
+    target, drafters = models
+    prompts = random_prompts(3, lo=1, hi=14, seed=fresh_seed())
+    second = Engine(target, drafters=[drafters[1]], device="cuda:1", max_batch_size=3, max_seq_len=96)
+    assert_greedy_equals_autoregressive(second, prompts, Speculative(k=3))
+    split = Engine(target, drafters=[drafters[1]], device="cuda:0", drafter_device="cuda:1", max_batch_size=3,
+                   max_seq_len=96, cuda_graphs=True)
+    assert_greedy_equals_autoregressive(split, prompts, Pearl(gamma=3, overlap=True))
+
+
 def test_wait_time_is_each_requests_own(models):
     """A request's wait_time_s counts the rounds it decoded in: one side waits per round, so the
     sum stays within its wall time, however many requests the scheduler served before it."""
