@@ -541,7 +541,8 @@ def bench_forward_profile(models: Models, copy_gb_per_s: float) -> list[dict]:
 
 def bench_step_profile(models: Models) -> list[dict]:
     """Each strategy's GPU kernel time per step by category (torch.profiler over one eager
-    generate with the Triton attention: the kernels a step graph replays), its kernels per
+    generate's decoding steps, the prefill left out, with the Triton attention: the kernels a
+    step graph replays), its kernels per
     step, and its five costliest kernels outside the model forwards. A step graph costs about
     the kernel time plus a few microseconds per kernel, so this says what the cascade's step
     adds to the chain's and where."""
@@ -569,10 +570,16 @@ def bench_step_profile(models: Models) -> list[dict]:
         for name, strategy, with_mag, params in strategies:
             engine = engine_for(target, [drafter] + ([MaG()] if with_mag else []), models)
             engine.generate([prompt], params, strategy=strategy)  # warm-up: Triton compiles
-            with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-                result = engine.generate([prompt], params, strategy=strategy)[0]
+            with engine.scheduler(strategy, rows=1) as scheduler:
+                scheduler.add(prompt, params)
+                scheduler.step()  # the prefill and the first step, outside the profile: decoding steps only
+                before = scheduler.state.metrics.target_forwards
                 sync(device)
-            steps = result.metrics.target_forwards
+                with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+                    while scheduler.has_unfinished():
+                        scheduler.step()
+                    sync(device)
+                steps = max(scheduler.state.metrics.target_forwards - before, 1)
             by_category, kernels, outside = defaultdict(float), 0, []
             for event in prof.key_averages():
                 if on_gpu and (event.device_type != torch.autograd.DeviceType.CUDA or event.self_device_time_total <= 0):
@@ -886,18 +893,6 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("norm_rope_ms", "norm+rope kernels", ".2f"), ("other_ms", "other", ".2f"),
                        ("kernels", "kernels", "d"), ("floor_ms", "floor ms", ".2f"), ("of_floor", "of floor", ".2f")])
 
-    if "step_profile" in wanted:
-        step_profile = report.run("step_profile", lambda: bench_step_profile(models))
-        print_section(f"GPU kernel time per step (ms; torch.profiler, one eager generate, batch 1, {shape}-shaped "
-                      "pair, Triton attention: the kernels a step graph replays)", step_profile,
-                      [("strategy", "strategy", "s"), ("kernels_per_step", "kernels", ".0f"),
-                       ("kernel_ms_per_step", "kernel ms", ".2f"), ("matmul_ms", "matmul", ".2f"),
-                       ("attention_ms", "attention", ".2f"), ("norm_rope_ms", "norm+rope", ".2f"),
-                       ("verify_ms", "verify", ".3f"), ("mag_ms", "MaG", ".3f"), ("other_ms", "other", ".3f")])
-        for row in step_profile if isinstance(step_profile, list) else []:
-            top = "; ".join(f"{t['kernel'][:60]} {t['us_per_step']:.1f} us ({t['per_step']:.1f}x)" for t in row["top_other"])
-            print(f"  {row['strategy']}: {top}")
-
     if "quantized_drafter" in wanted:
         quantized = report.run("quantized_drafter", lambda: bench_quantized_drafter(models))
         print_section(f"the drafter ({sizes.drafter_layers} {shape} layers + head) with weight-only quantized "
@@ -940,6 +935,18 @@ def run_sections(args, wanted: set, sizes: Sizes, device: torch.device, report: 
                        ("graphs", "graphs", "d"), ("captured_while_timed", "captured timed", "d"),
                        ("drafted_per_step", "drafted", ".2f"),
                        ("same_tokens_as_eager", "= eager", "")])
+
+    if "step_profile" in wanted:
+        step_profile = report.run("step_profile", lambda: bench_step_profile(models))
+        print_section(f"GPU kernel time per step (ms; torch.profiler, one eager generate, batch 1, {shape}-shaped "
+                      "pair, Triton attention: the kernels a step graph replays)", step_profile,
+                      [("strategy", "strategy", "s"), ("kernels_per_step", "kernels", ".0f"),
+                       ("kernel_ms_per_step", "kernel ms", ".2f"), ("matmul_ms", "matmul", ".2f"),
+                       ("attention_ms", "attention", ".2f"), ("norm_rope_ms", "norm+rope", ".2f"),
+                       ("verify_ms", "verify", ".3f"), ("mag_ms", "MaG", ".3f"), ("other_ms", "other", ".3f")])
+        for row in step_profile if isinstance(step_profile, list) else []:
+            top = "; ".join(f"{t['kernel'][:60]} {t['us_per_step']:.1f} us ({t['per_step']:.1f}x)" for t in row["top_other"])
+            print(f"  {row['strategy']}: {top}")
 
     if "pearl" in wanted:
         pearl = report.run("pearl", lambda: bench_pearl(models))
