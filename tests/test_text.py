@@ -156,3 +156,14 @@ def test_a_real_replacement_character_streams_three_tokens_late():
     out.append(3)
     text.update(out)
     assert text.text == "\ufffd" * 12 + "aé"
+
+
+def test_deltas_hold_back_only_what_may_start_a_stop_string():
+    """Without stop strings a step's settled text goes out whole; with them, only the last
+    len(longest stop) - 1 characters wait."""
+    ids = [2, 3, 4, 6]  # one character each: "cdeg"
+    for stop, delta in (((), "cdeg"), (("xyz", "q"), "cd")):
+        text = IncrementalText(ByteTokenizer(), stop)
+        text.update(ids)
+        assert text.stop_at(ids) is None
+        assert text.delta(final=False) == delta, stop

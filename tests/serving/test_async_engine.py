@@ -219,3 +219,22 @@ def test_the_package_imports_without_the_serve_extra():
     them csd_engine and AsyncEngine import, and `serve` says which extra to install."""
     done = subprocess.run([sys.executable, "-c", WITHOUT_THE_SERVE_EXTRA], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pip install 'csd_engine[serve]'" in done.stderr, done.stderr
+
+
+def test_a_request_aborted_while_waiting_counts_no_prompt_tokens(engine):
+    """prompt_tokens counts the prompts prefilled: a request aborted before it had a row counts
+    as aborted, its prompt not at all."""
+    async_engine = AsyncEngine(engine, Speculative(k=3), rows=1)
+    try:
+        async def main():
+            first, second = await async_engine.submit([([1, 2, 3], SamplingParams(max_new_tokens=20)),
+                                                       ([4, 5, 6, 7], SamplingParams(max_new_tokens=5))])
+            await second.aclose()  # the first holds the only row: the second still waits
+            async for _ in first:
+                pass
+        asyncio.run(main())
+        stats = async_engine.stats()
+        assert stats["finished"] == {"length": 1, "abort": 1}
+        assert stats["prompt_tokens"] == 3
+    finally:
+        async_engine.close()

@@ -390,3 +390,22 @@ def test_a_client_that_goes_away_frees_the_row(folders, tmp_path):
     finally:
         server.close()
     assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
+
+
+def test_every_streamed_choice_opens_with_the_role_and_usage_counts_every_prompt(server, tokenizer):
+    """n streamed chat choices: each one's first chunk names the assistant role. A completion of a
+    list of prompts with n choices each: usage counts every prompt once and every choice's tokens."""
+    chunks = list(client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=5, temperature=0, n=2, stream=True))
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1] and all(f.delta.role == "assistant" for f in firsts.values())
+
+    body = {"prompt": ["abc", "xyz xyz"], "max_tokens": 4, "temperature": 0, "n": 2}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in body["prompt"])
+    completion_tokens = sum(len(c["token_ids"]) for c in response["choices"])
+    assert response["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}

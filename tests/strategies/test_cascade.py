@@ -729,3 +729,21 @@ def test_every_drafted_token_reaches_the_target_with_its_proposal(models, drafte
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=24) for s in range(16)]
     engine.generate(prompts, params, strategy=strategy)
     assert sum(full) > 0, "no draft filled the plan's last slot: the check saw nothing"
+
+
+def test_a_match_exactly_direct_match_long_goes_direct(models):
+    """direct_match is inclusive: a row whose MaG match is exactly that long goes direct, one
+    token shorter does not (the prompt ends on a 4-token repeat: a match of 4)."""
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=48)
+    scheduler = engine.scheduler(Autoregressive(), rows=2)
+    scheduler.add([5, 6, 7, 8, 9, 10, 5, 6, 7, 8])
+    scheduler.add([1, 2, 3, 4])
+    scheduler._admit()
+    state = scheduler.state
+    scheduler.close()
+    for direct_match, expected in ((4, [True, False]), (5, [False, False])):
+        decoder = Cascade(k_matrix=((2, 4), (0, 4)), direct_match=direct_match,
+                          direct_tokens=6).decoder(engine._decoder_models())
+        direct, _ = decoder._direct(state)
+        assert direct.tolist() == expected, direct_match

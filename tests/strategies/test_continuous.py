@@ -19,7 +19,8 @@ import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
 from csd_engine.scheduler import QueueFull
-from tests.strategies.common import assert_a_non_finite_request_fails_alone, broken_and_plain, processed_probs
+from tests.strategies.common import (NON_FINITE_PARAMS, assert_a_non_finite_request_fails_alone, broken_and_plain,
+                                     processed_probs)
 from tests.strategies import test_every_strategy as every_strategy
 from tests.strategies.test_every_strategy import STRATEGIES, models, repetitive_prompt  # noqa: F401 (fixture)
 from tests.tiny_models import VOCAB, random_prompts, tiny_llama
@@ -373,3 +374,17 @@ def test_chunked_prefill_gives_the_same_tokens(models, name):
         assert scheduler.abort(long)
         aborted = [o for o in scheduler.step() if o.request_id == long]
         assert aborted[0].finish_reason == "abort" and aborted[0].result.token_ids == []
+
+
+def test_a_row_that_failed_non_finite_serves_the_next_request():
+    """One row: the request with non-finite logits fails, and the request admitted into its row
+    afterwards starts from clean flags (and caches) and runs to its length."""
+    broken, plain = broken_and_plain(lambda: tiny_llama(seed=7))
+    engine = Engine(broken, max_batch_size=1, max_seq_len=32, verify_backend="torch")
+    with engine.scheduler(Autoregressive()) as scheduler:
+        bad, good = scheduler.add([4, 5, 6], NON_FINITE_PARAMS), scheduler.add([1, 2, 3], NON_FINITE_PARAMS)
+        done = {}
+        while scheduler.has_unfinished():
+            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
+    assert done[bad].finish_reason == "error"
+    assert done[good].finish_reason == "length" and done[good].result.token_ids == plain

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from csd_engine import Autoregressive, Engine, SamplingParams
+from csd_engine.strategies import staged
 from csd_engine.strategies.base import Decoder, commit
 from csd_engine.strategies.staged import Staged
 from csd_engine.strategies.tree import TreeShape, branching_parents, verify_tree_and_commit
@@ -213,3 +214,41 @@ def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match=r"feeds 2199023255551 tokens per forward, more than the cache's"):
         engine.generate([[1, 2]], params, strategy=Staged(branching=(2,) * 40))  # at once, never built
     assert engine.generate([[1, 2]], params, strategy=Staged(branching=(2, 2)))[0].token_ids
+
+
+def test_the_mag_chain_verifies_only_the_tokens_mag_proposed(pair, monkeypatch):
+    """Where MaG proposes fewer than mag_tokens tokens, the chain's other nodes are padding
+    (parent -2), never verified."""
+    target, draft_model = pair
+    proposed, real = [], []
+    propose, verify = staged.StagedDecoder._mag_stage, staged.verify_tree_and_commit
+
+    def spy_stage(self, state, path):
+        proposal = propose(self, state, path)
+        proposed.append(proposal.length.clone())
+        return proposal
+
+    def spy_verify(models, state, tokens, tree, *args, **kwargs):
+        real.append((tree.parents[:, -3:] != -2).sum(1))
+        return verify(models, state, tokens, tree, *args, **kwargs)
+    monkeypatch.setattr(staged.StagedDecoder, "_mag_stage", spy_stage)
+    monkeypatch.setattr(staged, "verify_tree_and_commit", spy_verify)
+    engine = Engine(target, drafters=[draft_model], max_batch_size=2, max_seq_len=48, verify_backend="torch")
+    engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=12), strategy=Staged((2,), mag_tokens=3))
+    assert any((p < 3).any() for p in proposed), "MaG always proposed a full chain: nothing padded"
+    assert all(torch.equal(r, p) for r, p in zip(real, proposed))
+
+
+def test_each_tree_step_draws_from_fresh_random_counters(pair):
+    """A tree check draws from counters offset .. offset + max_depth (a depth each, the bonus
+    included): the next step starts past them, so no two steps of a row share a random number."""
+    target, draft_model = pair
+    engine = Engine(target, drafters=[draft_model], max_batch_size=1, max_seq_len=48, verify_backend="torch")
+    branching = (2, 2, 1)
+    with engine.scheduler(Staged(branching)) as scheduler:
+        scheduler.add([5, 17, 5, 17, 5], SamplingParams(temperature=1.0, seed=3, max_new_tokens=12))
+        offsets = [0]
+        while scheduler.has_unfinished():
+            scheduler.step()
+            offsets.append(int(scheduler.state.offset[0]))
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(branching) + 1] * (len(offsets) - 1)
