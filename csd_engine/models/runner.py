@@ -29,13 +29,17 @@ class ForwardBatch:
     kv_bound: int  # host-side upper bound of lengths[b] + n over rows: attention reads slots [0, kv_bound)
     tree_mask: torch.Tensor | None = None  # [B, n, n] bool, None = causal among the new tokens
     need_logits: bool = True  # False for prefill, whose logits nobody reads
+    # the runner flags rows with non-finite logits at any position (nonfinite_rows); False: the
+    # caller flags the positions it uses (the target's verification, flag_used_logits)
+    flag_all: bool = True
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor, kv_bound: int, need_logits: bool = True):
+    def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor, kv_bound: int, need_logits: bool = True,
+              flag_all: bool = True):
         """Consecutive tokens appended after each row's committed prefix."""
         n = tokens.shape[1]
         positions = lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]
-        return cls(tokens, positions, kv_bound, None, need_logits)
+        return cls(tokens, positions, kv_bound, None, need_logits, flag_all)
 
 
 def attention_window(config) -> int | None:
@@ -122,6 +126,14 @@ class Runner:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         with on_device(self.device):  # prefill goes through here too
             logits = self.forward(batch)
-            if logits is not None and self.nonfinite_rows is not None:
-                (flag_nonfinite if use_kernels(logits) else flag_nonfinite_ref)(logits, self.nonfinite_rows)
+            if logits is not None and batch.flag_all:
+                self.flag_used_logits(logits)
         return logits
+
+    def flag_used_logits(self, logits: torch.Tensor, positions: torch.Tensor | None = None,
+                         counts: torch.Tensor | None = None) -> None:
+        """nonfinite_rows |= rows of this model's logits [B, n, V] non-finite where used (kernels/nonfinite.py:
+        positions[b, j] for j < counts[b], default all); nothing when the engine keeps no flags."""
+        if self.nonfinite_rows is not None:
+            (flag_nonfinite if use_kernels(logits) else flag_nonfinite_ref)(logits, self.nonfinite_rows, positions,
+                                                                            counts)

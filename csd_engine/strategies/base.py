@@ -291,12 +291,14 @@ def catch_up_tokens(state: DecodeState, runner: Runner, max_behind: int, extra: 
     return ids, behind + 1 + e
 
 
-def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, ahead: int = 0, need_logits: bool = True):
+def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, ahead: int = 0, need_logits: bool = True,
+                   flag_all: bool = True):
     """One forward of `ids` right after each row's cached prefix (chain positions).
     `ahead`: how many slots past the committed prefix the runner's cache may already hold
-    (drafters mid-draft); it bounds the attention span without reading lengths on the host."""
+    (drafters mid-draft); it bounds the attention span without reading lengths on the host.
+    flag_all=False: the caller flags the non-finite logits it uses (ForwardBatch.flag_all)."""
     bound = state.max_committed + ahead + ids.shape[1]
-    return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits))
+    return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits, flag_all))
 
 
 def logits_at(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -335,10 +337,11 @@ def verify_chain(models: Models, state: DecodeState, draft: Draft, counters: int
     if models.trim_drafts and draft.tokens.shape[1]:  # Autoregressive's empty draft: nothing to trim
         draft = trimmed(draft)
     ids = torch.cat([state.pending[:, None], draft.tokens], 1)
-    logits = forward_tokens(models.target, state, ids)
+    logits = forward_tokens(models.target, state, ids, flag_all=False)
     res = models.verifier.chain(logits, draft.tokens, draft.length, draft.q, lenience=1.0,
                                 **state.sampling_args(TARGET_STREAM))
     accepted = res.num_accepted
+    models.target.flag_used_logits(logits, counts=accepted + 1)  # what plain decoding computes: not past a rejection
     models.target.cache.advance((accepted + 1) * state.active)
     state.offset += counters
     state.metrics.target_forwards += 1

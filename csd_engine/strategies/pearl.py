@@ -162,7 +162,7 @@ class PearlDecoder(Decoder):
         job = self._submit_drafter(state, post, any_post)
         try:
             target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
-            logits = forward_tokens(self.target, state, target_ids)
+            logits = forward_tokens(self.target, state, target_ids, flag_all=False)
             new, new_q = self._join(job, state.metrics, time.perf_counter())
         finally:  # the drafter writes its cache: nothing may go on running after a failed (or interrupted) step
             wait([job])
@@ -182,6 +182,7 @@ class PearlDecoder(Decoder):
         # the chain up to e_1 holds: e_2..e_γ stay valid (an idle row keeps nothing: its drafter cache must not grow)
         whole = (n == num_drafts) & ~with_bonus & state.active
         counts = torch.where(whole, n, n + 1)
+        self.target.flag_used_logits(logits, counts=counts)  # the emitted tokens' (the placeholder copies the last)
 
         self.target.cache.advance(counts * state.active)
         dd = self.drafter_device

@@ -109,11 +109,14 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     target = models.target
     n_nodes = tokens.shape[1]
     logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
-                                 tree.mask))
+                                 tree.mask, flag_all=False))
     result = models.verifier.tree(logits, tokens, tree.parents, draft_probs,
                                   **state.sampling_args(TARGET_STREAM))
     accepted = result.num_accepted
     path = result.accepted_nodes[:, :tree.max_depth]  # node at depth 1, 2, ...; -1 after the path
+    # the token at depth d was drawn from the logits of the path node at depth d - 1 (the root's first)
+    nodes = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+    target.flag_used_logits(logits, nodes, accepted + 1)  # what plain decoding computes: not off the path
 
     # Node i was written at slot committed + i; the path node at depth d belongs at committed + d.
     contiguous = state.committed[:, None] + torch.arange(1, tree.max_depth + 1, device=tokens.device)
@@ -127,7 +130,6 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     path_tokens = tokens.gather(1, path.clamp(min=0))
     emitted = emitted_block(path_tokens, accepted, result.next_token)
     logprobs = None
-    if state.want_logprobs:  # the token at depth d was drawn from the logits of the path node at depth d - 1
-        nodes = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+    if state.want_logprobs:
         logprobs = emitted_logprobs(state, logits.gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[2])), emitted)
     return StepOutput(emitted, accepted + 1, logprobs), path

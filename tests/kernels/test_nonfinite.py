@@ -44,3 +44,22 @@ def test_strided_logits_and_bad_flags():
     assert flags.tolist() == [False, True, True]
     with pytest.raises(ValueError, match="flags \\[B\\] bool"):
         flag_nonfinite(wide, flags.int())
+
+
+def test_only_the_positions_used_are_checked():
+    """positions / counts: a row is flagged by its logits at positions[b, j] for j < counts[b]
+    alone (the target's emitted tokens'), kernel and reference alike."""
+    logits = torch.randn(4, 5, 300, device=DEVICE)
+    logits[0, 3, 10] = float("nan")  # past row 0's count: not used
+    logits[1, 1, 299] = float("inf")  # used by row 1
+    logits[2, 4, 0] = float("-inf")  # on row 2's path (position 4), past its count otherwise
+    logits[3, 0, 5] = float("nan")  # position 0: always used
+    positions = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 4, 3, 1], [0, 4, 4, 4]], device=DEVICE)
+    counts = torch.tensor([3, 2, 2, 1], device=DEVICE)
+    for flag in (flag_nonfinite, flag_nonfinite_ref):
+        flags = torch.zeros(4, dtype=torch.bool, device=DEVICE)
+        flag(logits, flags, counts=counts)
+        assert flags.tolist() == [False, True, False, True], flag.__name__
+        flags.zero_()
+        flag(logits, flags, positions, counts)
+        assert flags.tolist() == [False, True, True, True], flag.__name__

@@ -341,3 +341,42 @@ def test_no_random_counter_is_drawn_twice(models, name):
             assert used and len(used) == len(set(used)), f"{name}: a random counter was drawn twice"
     finally:
         del verifier.chain, verifier.tree  # the class's methods again
+
+
+@pytest.fixture(scope="module")
+def poisoned():
+    """A target whose embedding of token 50 is NaN and that never emits it (its head row is 0,
+    below the argmax here), and a drafter (d1's place) that proposes 50 wherever its first
+    hidden unit is positive (51 elsewhere): plain decoding never feeds 50 to the target."""
+    target, clean = tiny_llama(seed=41), tiny_llama(seed=41)
+    lover = perturbed(clean, noise=0.2, seed=42)
+    with torch.no_grad():
+        target.lm_head.weight[50] = 0
+        target.model.embed_tokens.weight[50] = float("nan")
+        lover.model.norm.weight.zero_()
+        lover.model.norm.weight[0] = 1
+        lover.lm_head.weight.zero_()
+        lover.lm_head.weight[50, 0], lover.lm_head.weight[51, 0] = 100.0, -100.0
+    return {"target": target, "d1": lover, "d2": perturbed(clean, noise=0.5, seed=43)}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_non_finite_logits_after_a_rejected_draft_fail_nothing(poisoned, name):
+    """The target's logits past a rejected draft token (or off a tree's accepted path, or at a
+    padding slot) are not plain decoding's: non-finite ones there fail no request. Each request
+    runs to its length with plain decoding's tokens, though the target is fed token 50 (whose
+    embedding is NaN) in every step that drafts it."""
+    drafters, strategy = STRATEGIES[name]
+    engine = Engine(poisoned["target"], drafters=[poisoned[d] if d != "mag" else "mag" for d in drafters],
+                    max_batch_size=3, max_seq_len=40, verify_backend="torch")
+    prompts = [[3] * 10, [5] * 30, [7, 8, 9]]
+    params = SamplingParams(max_new_tokens=12)
+    plain = engine.generate(prompts, params, strategy=Autoregressive())
+    assert all(50 not in r.token_ids for r in plain)
+    with engine.scheduler(strategy) as scheduler:
+        ids = [scheduler.add(p, params) for p in prompts]
+        done = {}
+        while scheduler.has_unfinished():
+            done.update((out.request_id, out) for out in scheduler.step() if out.finished)
+    for i, r in zip(ids, plain):
+        assert (done[i].finish_reason, done[i].result.token_ids) == ("length", r.token_ids), done[i].error
