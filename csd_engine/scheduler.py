@@ -101,7 +101,9 @@ class Metrics:
     wall_time_s: float  # this request's own: from its arrival (queue and prefill included) to its last token
     tokens_per_s: float
     mean_accepted_tokens: float  # tokens emitted per target forward, bonus included (AR = 1.0)
-    accepted: int = 0  # draft tokens the target accepted
+    # draft tokens the target accepted: its verdicts, also on drafts past where a stop or the
+    # length then cut the output (so accepted may exceed new_tokens); likewise the per-position counts
+    accepted: int = 0
     drafted: int = 0  # draft tokens offered to the target
     acceptance_by_position: list[float] = field(default_factory=list)
     acceptance_by_level: dict[int, float] = field(default_factory=dict)  # level 0 = the target; others: where drafted
