@@ -61,6 +61,12 @@ def _checked_device(device, name: str = "device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}={str(device)!r}, but torch sees no CUDA device here (torch.cuda.is_available() "
                          "is False): use 'cpu'")
+    if device.type == "cuda":  # "cuda": the current device now, fixed (the threads that run it have their own)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(device)!r}, but torch sees {torch.cuda.device_count()} CUDA device(s): "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        device = torch.device("cuda", index)
     return device
 
 

@@ -127,6 +127,19 @@ def test_bad_input_names_the_problem_and_engine_stays_usable(tmp_path):
     assert Engine(model, dtype="float32", max_batch_size=1, max_seq_len=16).dtype == torch.float32  # names work too
 
 
+def test_a_cuda_device_is_fixed_to_an_index_that_exists(monkeypatch):
+    """"cuda" becomes the current device's index when the engine is built (the threads that run
+    it later have a current device of their own); an index past the devices is refused by name."""
+    from csd_engine.engine import _checked_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _checked_device("cuda") == torch.device("cuda:1")
+    assert _checked_device(torch.device("cuda", 0)) == torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"drafter_device='cuda:2', but torch sees 2 CUDA device\(s\): cuda:0 to cuda:1"):
+        _checked_device("cuda:2", "drafter_device")
+
+
 def test_every_bit_of_a_seed_counts():
     """Seeds that differ only above bit 31 draw different tokens (the random streams take 32-bit
     seeds: kernels.random.fold_seed), and a seed gives the same tokens every time."""

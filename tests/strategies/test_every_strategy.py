@@ -365,7 +365,9 @@ def test_non_finite_logits_after_a_rejected_draft_fail_nothing(poisoned, name):
     """The target's logits past a rejected draft token (or off a tree's accepted path, or at a
     padding slot) are not plain decoding's: non-finite ones there fail no request. Each request
     runs to its length with plain decoding's tokens, though the target is fed token 50 (whose
-    embedding is NaN) in every step that drafts it."""
+    embedding is NaN) in every step that drafts it. On the CPU extension's attention, which
+    computes each token alone: SDPA's and Triton's carry a NaN value row to the other positions
+    of the forward (0 x NaN), which fails the request as it did before (README)."""
     drafters, strategy = STRATEGIES[name]
     engine = Engine(poisoned["target"], drafters=[poisoned[d] if d != "mag" else "mag" for d in drafters],
                     max_batch_size=3, max_seq_len=40, verify_backend="torch")
