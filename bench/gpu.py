@@ -380,9 +380,9 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
     def so_far(more):
         on_row(rows + more)
 
-    if graphs:  # one graph per step at batch 1 first, issue 11's comparison: kept if a time limit cuts the run
-        rows += step_graph_rows(models, strategies, prompt, params, batches=(1,), on_row=so_far)
-    for variant in ("eager, sdpa", "CUDA graphs") if graphs else ("eager, sdpa",):
+    if graphs:  # one graph per step at batch 1 and 8 first, issue 11's comparison: kept if a time limit cuts the run
+        rows += step_graph_rows(models, strategies, prompt, params, batches=(1, sizes.batch), on_row=so_far)
+    for variant in ("CUDA graphs", "eager, sdpa") if graphs else ("eager, sdpa",):
         for name, strategy, with_mag in strategies:
             target, drafter = models.target_runner, models.drafter_runner
             target.attention_backend = drafter.attention_backend = "sdpa"
@@ -408,7 +408,6 @@ def bench_step_split(models: Models, graphs: bool, on_row=lambda rows: None) -> 
             progress(f"split {name}, {variant}: {rows[-1]['ms_per_step']:.2f} ms/step")
             on_row(rows)
     if graphs:
-        rows += step_graph_rows(models, strategies, prompt, params, batches=(sizes.batch,), on_row=so_far)
         # sampling with top-k / top-p: the steps that launch the most (emitted distributions, q)
         sampling = csd_engine.SamplingParams(max_new_tokens=sizes.new_tokens, ignore_eos=True, temperature=0.8,
                                              top_k=50, top_p=0.95, seed=1)
