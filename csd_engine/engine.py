@@ -130,8 +130,7 @@ class Engine:
             self._make_batch_invariant()
         self.max_seq_len = self._sequence_limit(max_seq_len)
         self.capacity = self.max_seq_len + HEADROOM
-        for runner in self.models():
-            runner.allocate(max_batch_size, self.capacity)
+        self._allocate_caches()
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches
         # On the CPU the target verifies only up to the longest real draft: one host read per
         # step more, which costs nothing there, against a forward whose cost grows with its width.
@@ -173,6 +172,26 @@ class Engine:
             raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
                              f"({self.target.vocab_size}): drafter and target must share a tokenizer")
         return runner
+
+    def _allocate_caches(self) -> None:
+        """Every runner's static KV cache for max_batch_size rows of `capacity` slots; one that
+        does not fit is refused naming its size and the two settings that set it."""
+        for i, runner in enumerate(self.models()):
+            try:
+                runner.allocate(self.max_batch_size, self.capacity)
+            except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, the allocator's error on the CPU
+                if not (isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc)):
+                    raise
+                native = getattr(runner, "runner", runner)  # a GraphedRunner's
+                size = ""
+                if all(hasattr(native, a) for a in ("num_layers", "num_kv_heads", "head_dim", "dtype")):
+                    elements = 2 * native.num_layers * self.max_batch_size * native.num_kv_heads * self.capacity \
+                        * native.head_dim
+                    size = f" ({elements * native.dtype.itemsize / 2 ** 30:.1f} GiB of keys and values in {native.dtype})"
+                which = "the target" if i == 0 else f"drafter {self.drafters.index(runner)}"
+                raise MemoryError(f"{which}'s KV cache for max_batch_size={self.max_batch_size} rows of {self.capacity} "
+                                  f"slots (max_seq_len {self.max_seq_len} + {HEADROOM} for drafts){size} does not fit "
+                                  f"on {runner.device}: lower max_batch_size or max_seq_len") from None
 
     def _make_batch_invariant(self) -> None:
         """Every model's logits for a row stop depending on the other rows (LlamaRunner.make_batch_invariant),

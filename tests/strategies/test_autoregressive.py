@@ -140,6 +140,25 @@ def test_a_cuda_device_is_fixed_to_an_index_that_exists(monkeypatch):
         _checked_device("cuda:2", "drafter_device")
 
 
+def test_a_cache_that_does_not_fit_is_refused_with_its_size(monkeypatch):
+    """The allocator's own error ("you tried to allocate N bytes") becomes one that names the
+    cache, its size and the settings that set it."""
+    from csd_engine.models.llama import LlamaRunner
+    real = LlamaRunner.allocate
+
+    def allocate(self, batch, capacity):
+        if batch * capacity > 10_000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        real(self, batch, capacity)
+    monkeypatch.setattr(LlamaRunner, "allocate", allocate)
+    model = tiny_llama()
+    size = 2 * 2 * 64 * 2 * (1024 + 256) * 16 * 4 / 2 ** 30  # k and v, layers, rows, kv heads, slots, head dim, fp32
+    with pytest.raises(MemoryError, match=rf"the target's KV cache for max_batch_size=64 rows of 1280 slots "
+                                          rf"\(max_seq_len 1024 \+ 256 for drafts\) \({size:.1f} GiB .*lower max_batch_size"):
+        Engine(model, max_batch_size=64, max_seq_len=1024)
+    assert Engine(model, max_batch_size=2, max_seq_len=64).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
 def test_every_bit_of_a_seed_counts():
     """Seeds that differ only above bit 31 draw different tokens (the random streams take 32-bit
     seeds: kernels.random.fold_seed), and a seed gives the same tokens every time."""
