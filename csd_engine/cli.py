@@ -248,7 +248,7 @@ def generate(args) -> int:
         if args.stream:
             return _stream(engine, args, prompts[0], params, strategy)
         results = engine.generate(prompts, params, strategy=strategy)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, MemoryError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2
     for prompt, r in zip(args.prompt, results):
@@ -306,7 +306,7 @@ def serve(args) -> int:
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         batch_invariant=args.batch_invariant, cuda_graphs=CUDA_GRAPHS[args.cuda_graphs])
         async_engine = AsyncEngine(engine, strategy, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, MemoryError) as exc:
         print(f"csd-engine: error: {exc}", file=sys.stderr)
         return 2
     name = args.model_name or args.target

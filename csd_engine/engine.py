@@ -70,6 +70,25 @@ def _checked_device(device, name: str = "device") -> torch.device:
     return device
 
 
+def _kv_bytes(runner, batch: int, capacity: int) -> int:
+    """Bytes of a native runner's static KV cache (keys and values) of `batch` rows of `capacity`
+    slots; 0 for a runner whose caches grow as they fill (the generic one)."""
+    native = getattr(runner, "runner", runner)  # a GraphedRunner's
+    if not isinstance(native, LlamaRunner):
+        return 0
+    return 2 * native.num_layers * batch * native.num_kv_heads * capacity * native.head_dim * native.dtype.itemsize
+
+
+def _cpu_memory_available() -> int | None:
+    """MemAvailable + SwapFree from /proc/meminfo in bytes (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return sum(int(fields[name].split()[0]) * 1024 for name in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _is_token(value) -> bool:
     """A token id: a Python or NumPy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -174,24 +193,30 @@ class Engine:
         return runner
 
     def _allocate_caches(self) -> None:
-        """Every runner's static KV cache for max_batch_size rows of `capacity` slots; one that
-        does not fit is refused naming its size and the two settings that set it."""
-        for i, runner in enumerate(self.models()):
+        """Every runner's static KV cache for max_batch_size rows of `capacity` slots. Caches that
+        do not fit are refused naming their size and the two settings that set it: on the CPU
+        before allocating (zeroing more than the memory available gets the process killed, past
+        any error), elsewhere when the allocator fails."""
+        sizes = {("the target" if i == 0 else f"drafter {self.drafters.index(r)}"): _kv_bytes(r, self.max_batch_size,
+                                                                                             self.capacity)
+                 for i, r in enumerate(self.models())}
+        available = _cpu_memory_available() if self.device.type == "cpu" else None
+        if available is not None and sum(sizes.values()) > available:
+            raise MemoryError(self._too_big(sizes, f"more than the {available / 2 ** 30:.1f} GiB of memory available"))
+        for (which, size), runner in zip(sizes.items(), self.models()):
             try:
                 runner.allocate(self.max_batch_size, self.capacity)
             except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, the allocator's error on the CPU
                 if not (isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc)):
                     raise
-                native = getattr(runner, "runner", runner)  # a GraphedRunner's
-                size = ""
-                if all(hasattr(native, a) for a in ("num_layers", "num_kv_heads", "head_dim", "dtype")):
-                    elements = 2 * native.num_layers * self.max_batch_size * native.num_kv_heads * self.capacity \
-                        * native.head_dim
-                    size = f" ({elements * native.dtype.itemsize / 2 ** 30:.1f} GiB of keys and values in {native.dtype})"
-                which = "the target" if i == 0 else f"drafter {self.drafters.index(runner)}"
-                raise MemoryError(f"{which}'s KV cache for max_batch_size={self.max_batch_size} rows of {self.capacity} "
-                                  f"slots (max_seq_len {self.max_seq_len} + {HEADROOM} for drafts){size} does not fit "
-                                  f"on {runner.device}: lower max_batch_size or max_seq_len") from None
+                raise MemoryError(self._too_big({which: size}, f"too much for {runner.device}")) from None
+
+    def _too_big(self, sizes: dict, why: str) -> str:
+        total = sum(sizes.values()) / 2 ** 30
+        each = ", ".join(f"{which} {size / 2 ** 30:.1f}" for which, size in sizes.items() if size)
+        return (f"the KV caches for max_batch_size={self.max_batch_size} rows of {self.capacity} slots (max_seq_len "
+                f"{self.max_seq_len} + {HEADROOM} for drafts) take {total:.1f} GiB ({each}), {why}: lower "
+                "max_batch_size or max_seq_len")
 
     def _make_batch_invariant(self) -> None:
         """Every model's logits for a row stop depending on the other rows (LlamaRunner.make_batch_invariant),

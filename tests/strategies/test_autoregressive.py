@@ -140,21 +140,30 @@ def test_a_cuda_device_is_fixed_to_an_index_that_exists(monkeypatch):
         _checked_device("cuda:2", "drafter_device")
 
 
-def test_a_cache_that_does_not_fit_is_refused_with_its_size(monkeypatch):
-    """The allocator's own error ("you tried to allocate N bytes") becomes one that names the
-    cache, its size and the settings that set it."""
+def test_caches_that_do_not_fit_are_refused_with_their_size(monkeypatch):
+    """On the CPU, caches larger than the memory available are refused before allocating (zeroing
+    them would get the process killed); the allocator's own error ("you tried to allocate N
+    bytes") becomes the same kind of message. The engine's settings are named either way."""
+    import csd_engine.engine
     from csd_engine.models.llama import LlamaRunner
+    model = tiny_llama()
+    # k and v, layers, rows, kv heads, slots, head dim, float32: the target's and the drafter's caches
+    size = 2 * 2 * 64 * 2 * (1024 + 256) * 16 * 4
+    words = (rf"the KV caches for max_batch_size=64 rows of 1280 slots \(max_seq_len 1024 \+ 256 for drafts\) take "
+             rf"{2 * size / 2 ** 30:.1f} GiB \(the target {size / 2 ** 30:.1f}, drafter 1 {size / 2 ** 30:.1f}\), ")
+    monkeypatch.setattr(csd_engine.engine, "_cpu_memory_available", lambda: size)
+    with pytest.raises(MemoryError, match=words + r"more than the 0.0 GiB of memory available: lower max_batch_size"):
+        Engine(model, drafters=["mag", tiny_llama(seed=1)], max_batch_size=64, max_seq_len=1024)
+
     real = LlamaRunner.allocate
 
     def allocate(self, batch, capacity):
         if batch * capacity > 10_000:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
         real(self, batch, capacity)
+    monkeypatch.setattr(csd_engine.engine, "_cpu_memory_available", lambda: None)  # off Linux: no check before
     monkeypatch.setattr(LlamaRunner, "allocate", allocate)
-    model = tiny_llama()
-    size = 2 * 2 * 64 * 2 * (1024 + 256) * 16 * 4 / 2 ** 30  # k and v, layers, rows, kv heads, slots, head dim, fp32
-    with pytest.raises(MemoryError, match=rf"the target's KV cache for max_batch_size=64 rows of 1280 slots "
-                                          rf"\(max_seq_len 1024 \+ 256 for drafts\) \({size:.1f} GiB .*lower max_batch_size"):
+    with pytest.raises(MemoryError, match=r"take 0.0 GiB \(the target 0.0\), too much for cpu: lower max_batch_size"):
         Engine(model, max_batch_size=64, max_seq_len=1024)
     assert Engine(model, max_batch_size=2, max_seq_len=64).generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
