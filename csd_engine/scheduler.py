@@ -373,6 +373,10 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one decoding step, and return every request's increment."""
         self._check_open()
+        if torch.get_default_dtype() != torch.float32:  # integer division, ones(...): float32 by default only
+            raise RuntimeError(f"torch's default dtype is {torch.get_default_dtype()} (torch.set_default_dtype), but "
+                               "csd_engine's steps compute in float32 with it as the default: set it back to "
+                               "torch.float32 while generating")
         with on_device(self.engine.device):  # the thread driving this scheduler launches on the engine's GPU
             return self._step()
 
@@ -539,7 +543,8 @@ class Scheduler:
         for r in (r for r, f in zip(new, fits) if not f):  # a masked row holding its prompt, cached chunk by chunk
             state.tokens[r.row, :len(r.prompt)] = torch.tensor(r.prompt, device=dev)
             self._prefill(r.row, [], 0)
-        for lo, hi in _runs(sorted(r.row for r in whole)):
+        lengths = {r.row: len(r.prompt) - 1 for r in whole}
+        for lo, hi in (group for run in _runs(sorted(lengths)) for group in _prefill_groups(run, lengths)):
             width = max(len(self.slots[row].prompt) for row in range(lo, hi)) - 1
             block = torch.zeros(hi - lo, width, dtype=torch.int64)
             for row in range(lo, hi):
@@ -652,11 +657,30 @@ class Scheduler:
         return DecodeState(
             tokens=torch.zeros(rows, self.engine.capacity + 1, dtype=torch.int64, device=dev),  # + scratch
             committed=zeros(torch.int64), pending=zeros(torch.int64), active=zeros(torch.bool),
-            temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, device=dev),
+            temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, dtype=torch.float32, device=dev),
             seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True,
             metrics=StepMetrics.zeros(rows, dev, levels=1 + len(self.engine.drafters),
                                       positions=self.decoder.max_tokens_per_forward,
                                       sources=len(self.decoder.sources)))
+
+
+PREFILL_SLACK = 64  # padding per row a prefill group takes on regardless (short prompts batch together)
+
+
+def _prefill_groups(run: tuple[int, int], lengths: dict) -> list[tuple[int, int]]:
+    """A run of consecutive rows split into groups prefilled as one block each, right-padded to
+    the group's longest prompt: a row joins the group while the padding stays under half the
+    prompt tokens the group feeds plus PREFILL_SLACK per row, so a long prompt does not make its
+    short neighbours prefill its length (the step's time, which is their time to first token,
+    and its memory), while short prompts still share one forward (one read of the weights)."""
+    groups, lo = [], run[0]
+    for row in range(run[0] + 1, run[1]):
+        rows = range(lo, row + 1)
+        padded, real = max(lengths[r] for r in rows) * len(rows), sum(lengths[r] for r in rows)
+        if padded - real > real / 2 + PREFILL_SLACK * len(rows):
+            groups.append((lo, row))
+            lo = row
+    return groups + [(lo, run[1])]
 
 
 def _runs(rows: list[int]):

@@ -388,3 +388,22 @@ def test_a_row_that_failed_non_finite_serves_the_next_request():
             done.update((out.request_id, out) for out in scheduler.step() if out.finished)
     assert done[bad].finish_reason == "error"
     assert done[good].finish_reason == "length" and done[good].result.token_ids == plain
+
+
+def test_short_prompts_are_not_prefilled_to_a_long_neighbours_length(monkeypatch):
+    """Requests admitted together are prefilled in blocks padded to their longest prompt: a long
+    prompt goes alone, the short ones after it share one block, and each row's tokens are what
+    it gets alone."""
+    from csd_engine.models.llama import LlamaRunner
+    calls, real = [], LlamaRunner.prefill
+
+    def prefill(self, rows, ids, start=0):
+        calls.append((rows.start, rows.stop, ids.shape[1]))
+        real(self, rows, ids, start)
+    monkeypatch.setattr(LlamaRunner, "prefill", prefill)
+    engine = Engine(tiny_llama(), max_batch_size=4, max_seq_len=600, verify_backend="torch")
+    prompts = [random_prompts(1, lo=500, hi=500, seed=1)[0], [5, 6, 7], [8] * 12, [9, 10]]
+    params = SamplingParams(max_new_tokens=3)
+    together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert calls == [(0, 1, 499), (1, 4, 11)]
+    assert together == [engine.generate([p], params)[0].token_ids for p in prompts]
