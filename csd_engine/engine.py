@@ -295,7 +295,8 @@ class Engine:
         name = "prompt" if i is None else f"prompt {i}"
         if isinstance(p, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this model has none: pass token-id lists")
+                raise ValueError("text prompts need a tokenizer; this engine has none (a model passed in brings "
+                                 "none): pass Engine(..., tokenizer=...) or token-id lists")
             try:
                 p.encode()
             except UnicodeEncodeError as exc:
@@ -321,6 +322,10 @@ class Engine:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"params must be one SamplingParams or a list of {n} (one per prompt), got "
+                            f"{type(params).__name__} (a GenerationConfig's settings are not read: give "
+                            "SamplingParams(max_new_tokens=..., temperature=..., ...))")
         params = list(params)
         if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"params must be one SamplingParams or a list of {n} (one per prompt)")

@@ -96,7 +96,7 @@ class HFRunner(Runner):
         if positions is None:
             positions = start + torch.arange(n, device=self.device)[None]
         return self.model(input_ids=ids, position_ids=positions, attention_mask=self._additive(seen),
-                          past_key_values=cache, use_cache=True).logits.float()
+                          past_key_values=cache, use_cache=True, return_dict=True).logits.float()
 
     def allocate(self, batch: int, capacity: int) -> None:
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
@@ -118,7 +118,7 @@ class HFRunner(Runner):
                 continue
             positions = start + torch.arange(ids.shape[1], device=self.device)[None, :]
             self.model(input_ids=ids[i:i + 1].to(self.device), position_ids=positions, past_key_values=cache,
-                       use_cache=True)
+                       use_cache=True, return_dict=True)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -168,6 +168,25 @@ def test_caches_that_do_not_fit_are_refused_with_their_size(monkeypatch):
     assert Engine(model, max_batch_size=2, max_seq_len=64).generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
+def test_settings_an_app_leaves_behind_get_clear_errors():
+    """torch's default dtype set to float64 by the application, a GenerationConfig given as params,
+    text without a tokenizer: each refused by name, the engine usable afterwards."""
+    from transformers import GenerationConfig
+    engine = Engine(tiny_llama(), max_batch_size=1, max_seq_len=32)
+    good = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(RuntimeError, match="torch's default dtype is torch.float64 .* set it back to torch.float32"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with pytest.raises(TypeError, match="got GenerationConfig .*SamplingParams\\(max_new_tokens"):
+        engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=3))
+    with pytest.raises(ValueError, match=r"this engine has none .*Engine\(\.\.\., tokenizer=\.\.\.\)"):
+        engine.generate(["hello"])
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids == good
+
+
 def test_every_bit_of_a_seed_counts():
     """Seeds that differ only above bit 31 draw different tokens (the random streams take 32-bit
     seeds: kernels.random.fold_seed), and a seed gives the same tokens every time."""
