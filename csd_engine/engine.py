@@ -95,6 +95,7 @@ def _is_token(value) -> bool:
 
 
 class Engine:
+    @torch.inference_mode(False)  # caches made under an application's inference_mode could not be reset outside it
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
                  max_seq_len: int | None = None, verify_backend: str | None = None, native: bool | None = None,
                  tokenizer=None, attention_backend: str = "sdpa", cuda_graphs: bool | str = False,

@@ -41,7 +41,7 @@ class _Lengths(CommittedLengths):
 
 class HFRunner(Runner):
     def __init__(self, hf_model, device):
-        self.model = hf_model.eval()
+        self.model = hf_model.eval()  # no dropout (a model passed in is the caller's: forward re-asserts it)
         self.device = torch.device(device)
         self.vocab_size = hf_model.config.vocab_size
         self.num_params = sum(p.numel() for p in hf_model.parameters())
@@ -98,6 +98,12 @@ class HFRunner(Runner):
         return self.model(input_ids=ids, position_ids=positions, attention_mask=self._additive(seen),
                           past_key_values=cache, use_cache=True, return_dict=True).logits.float()
 
+    def _in_eval(self) -> None:
+        """The model the caller passed in is theirs: one put back in training mode since (dropout
+        on) runs in eval again here."""
+        if self.model.training:
+            self.model.eval()
+
     def allocate(self, batch: int, capacity: int) -> None:
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
         self.cache = _Lengths(batch, self.device, self.caches)
@@ -107,6 +113,7 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
+        self._in_eval()
         for i, row in enumerate(range(*rows.indices(len(self.caches)))):
             if start == 0:
                 self.caches[row] = DynamicCache(config=self.model.config)
@@ -122,6 +129,7 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        self._in_eval()
         lengths = self.cache.lengths.tolist()
         out = []
         for row, cache in enumerate(self.caches):

@@ -194,11 +194,17 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
             raise ValueError(f"the spec asks for {suffix_scheme} weights and quantize for {quantize}: give one")
         quantize = quantize or suffix_scheme
         model, tokenizer = _load_hf(spec, dtype, with_tokenizer)
-    elif isinstance(spec, torch.nn.Module) and hasattr(spec, "config"):
+    elif isinstance(spec, torch.nn.Module) and hasattr(getattr(spec, "_orig_mod", spec), "config"):
+        spec = getattr(spec, "_orig_mod", spec)  # torch.compile's wrapper: the model it compiles
         if not (hasattr(spec, "can_generate") and spec.can_generate()):
             raise TypeError(f"a transformers model must be a causal language model (what AutoModelForCausalLM "
                             f"loads, e.g. LlamaForCausalLM), got {type(spec).__name__}")
-        model = spec.eval()
+        unloaded = sorted({p.device.type for p in spec.parameters()} & {"meta"})
+        if unloaded or getattr(spec, "hf_device_map", None) and any(
+                d in ("disk", "meta") for d in spec.hf_device_map.values()):
+            raise ValueError(f"this {type(spec).__name__}'s weights are not all loaded (on the meta device or "
+                             "offloaded to disk by a device_map): load them into memory first")
+        model = spec  # left in its mode: the native runner copies what it needs, the generic one runs in eval
     else:
         raise TypeError(f"a model must be a path, hub id, zoo name, transformers model or Runner; got {type(spec).__name__}")
     model_type = model.config.model_type
@@ -217,8 +223,7 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     else:
         if reason:
             log.info("%s: the generic runner, since the native one cannot run %s", model_type, reason)
-        weight = next(model.parameters())
-        if model is spec and (weight.dtype != dtype or weight.device != torch.device(device)):
+        if model is spec and any(p.dtype != dtype or p.device != torch.device(device) for p in model.parameters()):
             model = copy.deepcopy(model)  # the caller's model stays as it was, as the native runner's copy leaves it
         runner = HFRunner(model.to(device=device, dtype=dtype), device)
     runner.eos_token_ids = eos_token_ids(model, tokenizer)

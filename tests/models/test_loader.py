@@ -282,3 +282,31 @@ def test_a_model_the_generic_runner_cannot_run_exactly_is_refused_at_load(monkey
     monkeypatch.setattr(HFRunner, "_additive", lambda self, seen: seen[None, None])  # a boolean mask
     with pytest.raises(ValueError, match="model_type 'mpt' cannot run on csd_engine's generic runner exactly"):
         Engine(mpt, max_batch_size=1, max_seq_len=64)
+
+
+def test_a_model_passed_in_as_an_application_holds_it():
+    """A model in training mode stays in it (the native runner copies what it runs); a generic
+    runner's model switched back to training is run in eval (no dropout); a torch.compile'd model
+    runs as the model it wraps; weights left on the meta device are refused by name; an engine
+    built under inference_mode works outside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import tiny_gpt2
+    params = SamplingParams(max_new_tokens=6)
+    model = tiny_llama().train()
+    plain = Engine(model, max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]], params)[0].token_ids
+    assert model.training and all(m.training for m in model.modules())
+    assert Engine(torch.compile(tiny_llama()), max_batch_size=1, max_seq_len=32).generate(
+        [[1, 2, 3]], params)[0].token_ids == plain
+    with torch.inference_mode():
+        made_inside = Engine(tiny_llama(), max_batch_size=1, max_seq_len=32)
+    assert made_inside.generate([[1, 2, 3]], params)[0].token_ids == plain
+    gpt2 = tiny_gpt2()
+    generic = Engine(gpt2, max_batch_size=1, max_seq_len=32)
+    first = generic.generate([[1, 2, 3]], params)[0].token_ids
+    gpt2.train()
+    assert [generic.generate([[1, 2, 3]], params)[0].token_ids for _ in range(3)] == [first] * 3
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="weights are not all loaded .*load them into memory first"):
+        Engine(meta)
