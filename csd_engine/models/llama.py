@@ -158,7 +158,8 @@ class LlamaRunner(Runner):
                 raise ValueError(f"cannot quantize {' + '.join(names)}: {exc}") from None
 
         self.embed = take("model.embed_tokens.weight")
-        if "lm_head.weight" in sd:
+        # tied: transformers' state dict holds the head as the embedding itself (one cast, not two)
+        if "lm_head.weight" in sd and sd["lm_head.weight"].data_ptr() != sd["model.embed_tokens.weight"].data_ptr():
             self.lm_head = matrix("lm_head.weight")
         else:  # tied: a quantized head is a packed copy, the embedding stays float
             self.lm_head = self.embed if quantize is None else matrix("model.embed_tokens.weight")

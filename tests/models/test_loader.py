@@ -310,3 +310,11 @@ def test_a_model_passed_in_as_an_application_holds_it():
                                             num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="weights are not all loaded .*load them into memory first"):
         Engine(meta)
+
+
+def test_tied_embeddings_stay_one_tensor_when_cast():
+    """A tied model cast to the engine's dtype keeps one copy of its embedding for the head (a
+    second would cost the vocabulary's rows again); an untied one keeps both."""
+    tied, _ = load_runner(tiny_llama(tie=True), "cpu", torch.bfloat16)
+    untied, _ = load_runner(tiny_llama(), "cpu", torch.bfloat16)
+    assert tied.lm_head is tied.embed and untied.lm_head is not untied.embed
