@@ -21,6 +21,7 @@ host; kernel input checks read values only when asked (tests).
 import numbers
 import os
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -87,6 +88,21 @@ def _cpu_memory_available() -> int | None:
         return sum(int(fields[name].split()[0]) * 1024 for name in ("MemAvailable", "SwapFree"))
     except (OSError, KeyError, ValueError):
         return None
+
+
+def _unpadded_rows(encoding) -> list[list[int]]:
+    """A tokenizer's output (a BatchEncoding: input_ids and attention_mask, lists or tensors, one
+    row or several) as token-id lists without the positions its mask zeroes: the padding."""
+    def rows(x):
+        x = x.tolist() if hasattr(x, "tolist") else list(x)
+        return [x] if x and _is_token(x[0]) else [list(r) for r in x]
+    ids, mask = rows(encoding["input_ids"]), encoding.get("attention_mask")
+    if mask is None:
+        return ids
+    mask = rows(mask)
+    if [len(r) for r in mask] != [len(r) for r in ids]:
+        raise ValueError("the tokenizer output's attention_mask does not have its input_ids' shape")
+    return [[t for t, keep in zip(r, m) if keep] for r, m in zip(ids, mask)]
 
 
 def _is_token(value) -> bool:
@@ -282,6 +298,8 @@ class Engine:
         return Scheduler(self, Autoregressive() if strategy is None else strategy, rows, max_waiting, prefill_chunk)
 
     def _encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, Mapping) and "input_ids" in prompts:  # a tokenizer's output
+            prompts = _unpadded_rows(prompts)
         if getattr(prompts, "ndim", None) in (1, 2):  # a NumPy array or torch tensor: one prompt, or one per row
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])):
@@ -294,6 +312,11 @@ class Engine:
         """The token ids a prompt (text, or token ids as `generate` takes them) runs as, checked
         against the vocabulary and max_seq_len; a ValueError names prompt `i` otherwise."""
         name = "prompt" if i is None else f"prompt {i}"
+        if isinstance(p, Mapping) and "input_ids" in p:  # a tokenizer's output (apply_chat_template's)
+            rows = _unpadded_rows(p)
+            if len(rows) != 1:
+                raise ValueError(f"{name} is a tokenizer output of {len(rows)} rows; one prompt is one row")
+            p = rows[0]
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine has none (a model passed in brings "

@@ -187,6 +187,26 @@ def test_settings_an_app_leaves_behind_get_clear_errors():
     assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids == good
 
 
+def test_a_tokenizers_padded_output_runs_without_its_padding():
+    """A BatchEncoding (input_ids with an attention_mask, padded on either side) runs as its
+    unpadded rows; one row of it is one prompt (apply_chat_template's output)."""
+    from transformers import BatchEncoding
+    engine = Engine(tiny_llama(), max_batch_size=2, max_seq_len=32)
+    params = SamplingParams(max_new_tokens=4)
+    plain = [r.token_ids for r in engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params)]
+    left = BatchEncoding({"input_ids": torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8]]),
+                          "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])})
+    right = BatchEncoding({"input_ids": [[1, 2, 3, 9, 9], [4, 5, 6, 7, 8]],
+                           "attention_mask": [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]})
+    assert [r.token_ids for r in engine.generate(left, params)] == plain
+    assert [r.token_ids for r in engine.generate(right, params)] == plain
+    assert engine.encode_prompt(BatchEncoding({"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]})) == [1, 2, 3]
+    with pytest.raises(ValueError, match="a tokenizer output of 2 rows; one prompt is one row"):
+        engine.encode_prompt(left)
+    with pytest.raises(ValueError, match="attention_mask does not have its input_ids' shape"):
+        engine.generate(BatchEncoding({"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1]]}), params)
+
+
 def test_every_bit_of_a_seed_counts():
     """Seeds that differ only above bit 31 draw different tokens (the random streams take 32-bit
     seeds: kernels.random.fold_seed), and a seed gives the same tokens every time."""
