@@ -497,20 +497,22 @@ class Scheduler:
 
     def _abort(self) -> tuple[list[RequestOutput], bool]:
         """End the requests `abort` named; returns their outputs and whether a running one left."""
-        outputs, freed = [], False
+        outputs, freed, waited = [], False, False
         for request_id in self.to_abort:
             request = self.requests.get(request_id)
             if request is None or request.finish:
                 continue
             request.finish = "abort"
             if request.row < 0:
-                self.waiting.remove(request)
+                waited = True
                 outputs.append(self._increment(request))
                 del self.requests[request.id]
             else:
                 outputs.append(self._increment(request))
                 self._free(request)
                 freed = True
+        if waited:  # one pass over the queue (removing each was quadratic in a long queue)
+            self.waiting = deque(r for r in self.waiting if r.finish is None)
         if self.to_abort:
             self.to_abort = []
             self._rows_changed()
