@@ -205,8 +205,15 @@ class Engine:
                                                               split_spec(spec)[1] if isinstance(spec, str) else None),
                                 with_tokenizer=False)
         if runner.vocab_size != self.target.vocab_size:
-            raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
-                             f"({self.target.vocab_size}): drafter and target must share a tokenizer")
+            # a smaller drafter is the same tokenizer's when the target's rows past it are padding
+            tokens = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            if runner.vocab_size > self.target.vocab_size or tokens is None or tokens > runner.vocab_size:
+                known = "no tokenizer tells" if tokens is None else f"the tokenizer has {tokens} tokens"
+                raise ValueError(f"drafter vocabulary ({runner.vocab_size} tokens) differs from the target's "
+                                 f"({self.target.vocab_size}): drafter and target must share a tokenizer (a "
+                                 f"smaller drafter vocabulary is taken where the target's rows past it are padding, "
+                                 f"its tokenizer's tokens all below {runner.vocab_size}; {known})")
+            runner.vocab_pad = self.target.vocab_size - runner.vocab_size
         return runner
 
     def _allocate_caches(self) -> None:

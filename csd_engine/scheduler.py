@@ -554,7 +554,7 @@ class Scheduler:
                 block[row - lo] = prompt[0] if prompt else 0  # padding from the row's own prompt: never another
                 block[row - lo, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)  # token's NaN
             for runner in self.engine.models():  # every prompt but its last token, right-padded
-                runner.prefill(slice(lo, hi), block.to(runner.device))
+                runner.prefill(slice(lo, hi), runner.own_ids(block.to(runner.device)))
         self._go_live(whole)
         return bool(whole)
 
@@ -569,7 +569,8 @@ class Scheduler:
             start = request.prefilled
             chunk = request.prompt[start:min(start + budget, len(request.prompt) - 1)]
             for runner in self.engine.models():
-                runner.prefill(slice(request.row, request.row + 1), torch.tensor([chunk], device=runner.device), start)
+                runner.prefill(slice(request.row, request.row + 1),
+                               runner.own_ids(torch.tensor([chunk], device=runner.device)), start)
             self._prefill(request.row, chunk, start)
             budget -= len(chunk)
             if request.prefilled == len(request.prompt) - 1:

@@ -6,9 +6,10 @@ strategy then commits what it accepted with `cache.advance`. Rows never wait on 
 ragged acceptance is just different `lengths`.
 """
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.nonfinite import flag_nonfinite, flag_nonfinite_ref
@@ -102,6 +103,15 @@ class Runner:
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None
+    # A drafter of a target whose vocabulary has padding rows past this model's (Qwen2.5 7B's 152064
+    # against 0.5B's 151936, one tokenizer): its logits get that many rows of -inf (it never
+    # proposes them) and the target's ids past its own are fed as its last row (own_ids).
+    vocab_pad: int = 0
+
+    def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` as this model can embed them: a padding id of the target's vocabulary (which no
+        tokenizer makes, but sampling may emit) becomes this model's last row (vocab_pad)."""
+        return ids.clamp(max=self.vocab_size - 1) if self.vocab_pad else ids
 
     def allocate(self, batch: int, capacity: int) -> None:
         raise NotImplementedError
@@ -125,9 +135,11 @@ class Runner:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
         with on_device(self.device):  # prefill goes through here too
-            logits = self.forward(batch)
+            logits = self.forward(replace(batch, input_ids=self.own_ids(batch.input_ids)) if self.vocab_pad else batch)
             if logits is not None and batch.flag_all:
                 self.flag_used_logits(logits)
+            if logits is not None and self.vocab_pad:
+                logits = F.pad(logits, (0, self.vocab_pad), value=float("-inf"))
         return logits
 
     def flag_used_logits(self, logits: torch.Tensor, positions: torch.Tensor | None = None,

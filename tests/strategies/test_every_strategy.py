@@ -22,7 +22,7 @@ from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, S
 from csd_engine.models.loader import load_runner
 from csd_engine.models.runner import Runner
 from tests.strategies.common import check_proposals
-from tests.tiny_models import perturbed, random_prompts, tiny_llama
+from tests.tiny_models import VOCAB, perturbed, random_prompts, tiny_llama
 
 MAX_SEQ_LEN = 64
 
@@ -382,3 +382,66 @@ def test_non_finite_logits_after_a_rejected_draft_fail_nothing(poisoned, name):
             done.update((out.request_id, out) for out in scheduler.step() if out.finished)
     for i, r in zip(ids, plain):
         assert (done[i].finish_reason, done[i].result.token_ids) == ("length", r.token_ids), done[i].error
+
+
+class PaddedVocabularyTokenizer:
+    """A tokenizer of VOCAB tokens for a target with padding rows past them."""
+
+    eos_token_id = None
+
+    def __len__(self):
+        return VOCAB
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(t) for t in ids)
+
+
+def shrunk(model, vocab: int):
+    """`model` with its embedding and head cut to the first `vocab` rows (as Qwen2.5 0.5B's 151936
+    against 7B's 152064: one tokenizer, the larger model's extra rows padding)."""
+    small = tiny_llama(vocab=vocab)
+    small.load_state_dict({k: v[:vocab] if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+                           for k, v in model.state_dict().items()})
+    return small
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if STRATEGIES[n][0] != ("mag",)])
+def test_a_drafter_without_the_targets_padding_rows_is_lossless(name):
+    """A drafter whose vocabulary stops where the target's padding rows begin drafts for it: its
+    logits get -inf rows there, and padding ids the target emits (its random rows here do) reach
+    the drafter as its last row. Greedy output is plain decoding's; a prompt holds a padding id."""
+    target = tiny_llama(seed=41, vocab=VOCAB + 24)
+    models = {"d1": perturbed(shrunk(target, VOCAB), noise=0.2, seed=42),
+              "d2": perturbed(shrunk(target, VOCAB), noise=0.5, seed=43)}
+    drafters, strategy = STRATEGIES[name]
+    engine = Engine(target, drafters=[models[d] if d != "mag" else "mag" for d in drafters], max_batch_size=3,
+                    max_seq_len=48, verify_backend="torch", tokenizer=PaddedVocabularyTokenizer())
+    assert all(d.vocab_pad == 24 for d in engine.drafters if d != "mag" and hasattr(d, "vocab_pad"))
+    prompts = [[3, 4, 5, 3, 4, 5], [VOCAB + 3, 7, 8], random_prompts(1, seed=9)[0]]
+    params = SamplingParams(max_new_tokens=16)
+    plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+    assert any(t >= VOCAB for r in plain for t in r), "the target never emitted a padding id: nothing clamped"
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=strategy)] == plain
+
+
+def test_a_drafter_vocabulary_that_is_not_the_targets_is_refused_by_what_differs():
+    target, small = tiny_llama(vocab=VOCAB + 24), tiny_llama(vocab=VOCAB)
+    for drafter, tokenizer, words in [
+            (tiny_llama(vocab=VOCAB + 30), PaddedVocabularyTokenizer(), r"\(126 tokens\) differs from the target's \(120\)"),
+            (small, None, "no tokenizer tells"),
+            (tiny_llama(vocab=VOCAB - 1), PaddedVocabularyTokenizer(), f"the tokenizer has {VOCAB} tokens")]:
+        with pytest.raises(ValueError, match=words):
+            Engine(target, drafters=[drafter], max_batch_size=1, max_seq_len=32, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("name", ["speculative-model", "cascade2-l2"])
+def test_sampling_with_a_drafter_without_the_targets_padding_rows_follows_the_target(name):
+    """Sampled drafts from the shorter vocabulary (zero mass on the padding rows) keep the target's
+    distribution, padding rows included (the target's random rows hold real mass here)."""
+    from tests.strategies.common import assert_samples_follow_target
+    target = tiny_llama(seed=41, vocab=VOCAB + 24)
+    drafters, strategy = STRATEGIES[name]
+    models = {"d1": perturbed(shrunk(target, VOCAB), noise=0.2, seed=42)}
+    engine = Engine(target, drafters=[models[d] if d != "mag" else "mag" for d in drafters], max_batch_size=256,
+                    max_seq_len=16, verify_backend="torch", tokenizer=PaddedVocabularyTokenizer())
+    assert_samples_follow_target(engine, target, [3, 4, 5], strategy, draws=4000)
