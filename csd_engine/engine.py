@@ -80,6 +80,12 @@ def _kv_bytes(runner, batch: int, capacity: int) -> int:
     return 2 * native.num_layers * batch * native.num_kv_heads * capacity * native.head_dim * native.dtype.itemsize
 
 
+def _held_bytes(runner) -> int:
+    """Bytes of the static KV cache a native runner holds now (a runner passed in again)."""
+    full = getattr(getattr(runner, "runner", runner), "full_cache", None)
+    return 0 if full is None else full.k.nbytes + full.v.nbytes
+
+
 def _cpu_memory_available() -> int | None:
     """MemAvailable + SwapFree from /proc/meminfo in bytes (None off Linux)."""
     try:
@@ -153,6 +159,7 @@ class Engine:
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
         self.fused_kernels = fused_kernels
         self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend, fused_kernels)
+        self.target.vocab_pad = 0  # a runner passed in may have drafted for a larger vocabulary before
         self.cuda_graphs = cuda_graphs
         self.target = maybe_graphed(self.target, cuda_graphs)  # CUDA graphs: native runner on a GPU only
         self.tokenizer = tokenizer or own_tokenizer
@@ -213,7 +220,7 @@ class Engine:
                                  f"({self.target.vocab_size}): drafter and target must share a tokenizer (a "
                                  f"smaller drafter vocabulary is taken where the target's rows past it are padding, "
                                  f"its tokenizer's tokens all below {runner.vocab_size}; {known})")
-            runner.vocab_pad = self.target.vocab_size - runner.vocab_size
+        runner.vocab_pad = self.target.vocab_size - runner.vocab_size  # 0 too: a runner passed in may hold another
         return runner
 
     def _allocate_caches(self) -> None:
@@ -221,23 +228,26 @@ class Engine:
         do not fit are refused naming their size and the two settings that set it: on the CPU
         before allocating (zeroing more than the memory available gets the process killed, past
         any error), elsewhere when the allocator fails."""
-        sizes = {("the target" if i == 0 else f"drafter {self.drafters.index(r)}"): _kv_bytes(r, self.max_batch_size,
-                                                                                             self.capacity)
-                 for i, r in enumerate(self.models())}
-        available = _cpu_memory_available() if self.device.type == "cpu" else None
-        if available is not None and sum(sizes.values()) > available:
-            raise MemoryError(self._too_big(sizes, f"more than the {available / 2 ** 30:.1f} GiB of memory available"))
-        for (which, size), runner in zip(sizes.items(), self.models()):
+        caches = [("the target" if i == 0 else f"drafter {self.drafters.index(r)}", r,
+                   _kv_bytes(r, self.max_batch_size, self.capacity)) for i, r in enumerate(self.models())]
+        on_cpu = [(which, r, size) for which, r, size in caches if r.device.type == "cpu"]
+        available = _cpu_memory_available() if on_cpu else None
+        if available is not None:  # caches these runners hold already are given back as the new ones come
+            available += sum(_held_bytes(r) for r in {id(r): r for _, r, _ in on_cpu}.values())
+            if sum(size for _, _, size in on_cpu) > available:
+                raise MemoryError(self._too_big(on_cpu, f"more than the {available / 2 ** 30:.1f} GiB of memory "
+                                                        "available"))
+        for which, runner, size in caches:
             try:
                 runner.allocate(self.max_batch_size, self.capacity)
             except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, the allocator's error on the CPU
                 if not (isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc)):
                     raise
-                raise MemoryError(self._too_big({which: size}, f"too much for {runner.device}")) from None
+                raise MemoryError(self._too_big([(which, runner, size)], f"too much for {runner.device}")) from None
 
-    def _too_big(self, sizes: dict, why: str) -> str:
-        total = sum(sizes.values()) / 2 ** 30
-        each = ", ".join(f"{which} {size / 2 ** 30:.1f}" for which, size in sizes.items() if size)
+    def _too_big(self, caches: list, why: str) -> str:
+        total = sum(size for _, _, size in caches) / 2 ** 30
+        each = ", ".join(f"{which} {size / 2 ** 30:.1f}" for which, _, size in caches if size)
         return (f"the KV caches for max_batch_size={self.max_batch_size} rows of {self.capacity} slots (max_seq_len "
                 f"{self.max_seq_len} + {HEADROOM} for drafts) take {total:.1f} GiB ({each}), {why}: lower "
                 "max_batch_size or max_seq_len")

@@ -117,6 +117,8 @@ class GraphedRunner(Runner):
             batch_buckets(max_batch)  # validates it
         runner.attention_backend = "triton"
         self.runner = runner
+        # the outermost runner pads (Runner.vocab_pad): its non-finite check reads the model's own rows
+        self.vocab_pad, runner.vocab_pad = runner.vocab_pad, 0
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.use_graphs = self.device.type == "cuda"

@@ -159,7 +159,9 @@ class LlamaRunner(Runner):
 
         self.embed = take("model.embed_tokens.weight")
         # tied: transformers' state dict holds the head as the embedding itself (one cast, not two)
-        if "lm_head.weight" in sd and sd["lm_head.weight"].data_ptr() != sd["model.embed_tokens.weight"].data_ptr():
+        head, embed = sd.get("lm_head.weight"), sd["model.embed_tokens.weight"]
+        if head is not None and not (head.numel() and head.data_ptr() == embed.data_ptr() and head.shape == embed.shape
+                                     and head.stride() == embed.stride()):
             self.lm_head = matrix("lm_head.weight")
         else:  # tied: a quantized head is a packed copy, the embedding stays float
             self.lm_head = self.embed if quantize is None else matrix("model.embed_tokens.weight")

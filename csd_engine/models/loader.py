@@ -18,6 +18,7 @@ A spec loads its own copy of the model; to share weights with a runner already l
 """
 import copy
 import difflib
+import itertools
 import logging
 import os
 import pathlib
@@ -223,9 +224,16 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     else:
         if reason:
             log.info("%s: the generic runner, since the native one cannot run %s", model_type, reason)
-        if model is spec and any(p.dtype != dtype or p.device != torch.device(device) for p in model.parameters()):
+        device = torch.device(device)
+        recast = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+        if model is spec and (recast or any(t.device != device for t in itertools.chain(model.parameters(),
+                                                                                          model.buffers()))):
             model = copy.deepcopy(model)  # the caller's model stays as it was, as the native runner's copy leaves it
-        runner = HFRunner(model.to(device=device, dtype=dtype), device)
+        model.to(device=device)
+        for p in model.parameters():  # parameters only: buffers (RoPE's float32 inv_freq) stay as transformers has them
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        runner = HFRunner(model, device)
     runner.eos_token_ids = eos_token_ids(model, tokenizer)
     log.debug("%s (%s): %s on %s in %s, EOS ids %s", spec if isinstance(spec, str) else type(spec).__name__,
               model_type, type(runner).__name__, device, dtype, runner.eos_token_ids)

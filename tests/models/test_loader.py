@@ -318,3 +318,18 @@ def test_tied_embeddings_stay_one_tensor_when_cast():
     tied, _ = load_runner(tiny_llama(tie=True), "cpu", torch.bfloat16)
     untied, _ = load_runner(tiny_llama(), "cpu", torch.bfloat16)
     assert tied.lm_head is tied.embed and untied.lm_head is not untied.embed
+
+
+def test_the_generic_runner_casts_parameters_only_and_never_the_callers_model():
+    """A model whose parameters are already in the engine's dtype is run as it is, its float32
+    RoPE buffer kept float32 (as transformers keeps it, so the tokens are its generate's); one
+    with a parameter in another dtype is copied, the caller's left as it was."""
+    model = tiny_llama().to(torch.bfloat16)
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()
+    engine = Engine(model, dtype=torch.bfloat16, native=False, max_batch_size=1, max_seq_len=32)
+    assert engine.target.model is model and model.model.rotary_emb.inv_freq.dtype == torch.float32
+    mixed = tiny_llama()
+    mixed.model.norm.to(torch.bfloat16)
+    other = Engine(mixed, dtype=torch.float32, native=False, max_batch_size=1, max_seq_len=32)
+    assert other.target.model is not mixed and mixed.model.norm.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in other.target.model.parameters())

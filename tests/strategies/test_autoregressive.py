@@ -166,6 +166,13 @@ def test_caches_that_do_not_fit_are_refused_with_their_size(monkeypatch):
     with pytest.raises(MemoryError, match=r"take 0.0 GiB \(the target 0.0\), too much for cpu: lower max_batch_size"):
         Engine(model, max_batch_size=64, max_seq_len=1024)
     assert Engine(model, max_batch_size=2, max_seq_len=64).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    # a runner passed in again gives its old cache back as it takes the new one: counted as available
+    monkeypatch.setattr(LlamaRunner, "allocate", real)
+    runner = Engine(model, max_batch_size=4, max_seq_len=64).target
+    monkeypatch.setattr(csd_engine.engine, "_cpu_memory_available", lambda: 0)
+    assert Engine(runner, max_batch_size=4, max_seq_len=64).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(MemoryError, match="more than the 0.0 GiB"):
+        Engine(runner, max_batch_size=8, max_seq_len=64)
 
 
 def test_settings_an_app_leaves_behind_get_clear_errors():

@@ -445,3 +445,29 @@ def test_sampling_with_a_drafter_without_the_targets_padding_rows_follows_the_ta
     engine = Engine(target, drafters=[models[d] if d != "mag" else "mag" for d in drafters], max_batch_size=256,
                     max_seq_len=16, verify_backend="torch", tokenizer=PaddedVocabularyTokenizer())
     assert_samples_follow_target(engine, target, [3, 4, 5], strategy, draws=4000)
+
+
+def test_a_padded_drafter_behind_a_graphed_runner_and_runners_passed_again():
+    """The outermost runner pads (a GraphedRunner takes the wrapped runner's vocab_pad: its
+    non-finite check reads the model's own rows, not the -inf ones); a runner passed to a later
+    engine gets that engine's padding, none included; a drafter listed twice leaves the next
+    drafter its cache."""
+    from csd_engine.models.graphs import GraphedRunner
+    target = tiny_llama(seed=41, vocab=VOCAB + 24)
+    drafter, _ = load_runner(perturbed(shrunk(target, VOCAB), noise=0.2, seed=42), "cpu", torch.float32)
+    drafter.vocab_pad = 24
+    graphed = GraphedRunner(drafter)
+    assert (graphed.vocab_pad, drafter.vocab_pad) == (24, 0)
+    engine = Engine(target, drafters=[graphed], max_batch_size=2, max_seq_len=48, tokenizer=PaddedVocabularyTokenizer())
+    prompts, params = [[3, 4, 5, 3, 4, 5], [VOCAB + 3, 7, 8]], SamplingParams(max_new_tokens=12)
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=3))] == \
+        [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+    small = tiny_llama(seed=41, vocab=VOCAB)
+    again = Engine(small, drafters=[graphed], max_batch_size=1, max_seq_len=32)
+    assert graphed.vocab_pad == 0
+    assert Engine(graphed, max_batch_size=1, max_seq_len=32).target.vocab_pad == 0
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    assert len(again.generate([[1, 2, 3]], sampled, strategy=Speculative(k=3))[0].token_ids) == 6
+    a, b = load_runner(small, "cpu", torch.float32)[0], load_runner(perturbed(small, 0.1), "cpu", torch.float32)[0]
+    Engine(small, drafters=[a, a, b], max_batch_size=1, max_seq_len=32)
+    assert b.cache is not None
