@@ -338,17 +338,23 @@ class _Server:
         return await self.encode(list(ids), "messages")
 
     async def track(self, stream, start: float):
-        """One engine request's increments, timed from `start` for the latency histograms."""
-        last, first = start, True
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                now = time.perf_counter()
-                if out.token_ids:
-                    (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
-                    first, last = False, now
-                if out.finished:
-                    self.metrics.e2e.observe(now - start)
-                yield out
+        """One engine request's increments, timed from `start` for the latency histograms; a
+        request whose client left first ends (aborted) when its stream is closed."""
+        last, first, ended = start, True, False
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    now = time.perf_counter()
+                    if out.token_ids:
+                        (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                        first, last = False, now
+                    if out.finished:
+                        self.metrics.e2e.observe(now - start)
+                        ended = True
+                    yield out
+        finally:
+            if not ended:
+                self.metrics.e2e.observe(time.perf_counter() - start)
 
     async def start(self, prompts: list[list[int]], params: list[SamplingParams], param: str, arrival: float):
         """Submit every (prompt, choice) pair at once, all or none, and wait for each one's first

@@ -386,6 +386,8 @@ def test_a_client_that_goes_away_frees_the_row(folders, tmp_path):
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
             counters = scrape(server.url)
             assert counters[("vllm:request_success_total", frozenset({("finished_reason", "abort")}))] == 2
+            ended = sum(v for (name, _), v in counters.items() if name == "vllm:request_success_total")
+            assert counters[("vllm:e2e_request_latency_seconds_count", frozenset())] == ended == 4  # aborts too
             assert counters[("vllm:generation_tokens_total", frozenset())] < 4000
     finally:
         server.close()
