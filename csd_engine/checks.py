@@ -1,6 +1,7 @@
 """Type checks that the constructors' validation shares: a count is an int and never a bool
 (True would pass as 1), a setting a finite real number."""
 import math
+import numbers
 
 
 def is_int(value) -> bool:
@@ -11,3 +12,8 @@ def is_int(value) -> bool:
 def is_number(value) -> bool:
     """A finite int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_integral(value) -> bool:
+    """A Python or NumPy integer, not a bool (a token id, a seed)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -18,14 +18,13 @@ to the device only in a step where a row joined or left. Exceptions, by design: 
 (transformers) runner crops each row's cache on the host; Pearl's worker thread joins on the
 host; kernel input checks read values only when asked (tests).
 """
-import numbers
 import os
 import threading
 from collections.abc import Mapping
 
 import torch
 
-from csd_engine.checks import is_int
+from csd_engine.checks import is_int, is_integral
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
 from csd_engine.models.llama import LlamaRunner
@@ -101,7 +100,7 @@ def _unpadded_rows(encoding) -> list[list[int]]:
     row or several) as token-id lists without the positions its mask zeroes: the padding."""
     def rows(x):
         x = x.tolist() if hasattr(x, "tolist") else list(x)
-        return [x] if x and _is_token(x[0]) else [list(r) for r in x]
+        return [x] if x and is_integral(x[0]) else [list(r) for r in x]
     ids, mask = rows(encoding["input_ids"]), encoding.get("attention_mask")
     if mask is None:
         return ids
@@ -109,11 +108,6 @@ def _unpadded_rows(encoding) -> list[list[int]]:
     if [len(r) for r in mask] != [len(r) for r in ids]:
         raise ValueError("the tokenizer output's attention_mask does not have its input_ids' shape")
     return [[t for t, keep in zip(r, m) if keep] for r, m in zip(ids, mask)]
-
-
-def _is_token(value) -> bool:
-    """A token id: a Python or NumPy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class Engine:
@@ -319,7 +313,7 @@ class Engine:
             prompts = _unpadded_rows(prompts)
         if getattr(prompts, "ndim", None) in (1, 2):  # a NumPy array or torch tensor: one prompt, or one per row
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integral(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -345,7 +339,7 @@ class Engine:
             p = self.tokenizer(p, add_special_tokens=True)["input_ids"]
         if getattr(p, "ndim", None) == 1:  # a NumPy array or torch tensor of token ids
             p = p.tolist()
-        if not isinstance(p, (list, tuple)) or not all(_is_token(t) for t in p):
+        if not isinstance(p, (list, tuple)) or not all(is_integral(t) for t in p):
             raise ValueError(f"{name} must be a string or a list of token ids (ints, also NumPy's; or a 1-D integer "
                              "array or tensor)")
         p = [int(t) for t in p]

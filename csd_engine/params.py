@@ -1,7 +1,8 @@
 """Sampling parameters: one per request, validated on construction."""
-import numbers
 import operator
 from dataclasses import dataclass
+
+from csd_engine.checks import is_integral
 
 MIN_TEMPERATURE = 1e-6  # below it (but for 0, greedy) logits / temperature overflows float32 for large logits
 MAX_TOP_K = 2 ** 31 - 1  # the engine keeps top_k as int32 (any top_k >= the vocabulary keeps every token)
@@ -56,8 +57,7 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
-                    or not 0 <= self.seed <= MAX_SEED:
+            if not is_integral(self.seed) or not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
             self._set(seed=int(self.seed))  # a NumPy integer as the int it is
         if self.stop_token_ids is not None:

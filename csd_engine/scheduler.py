@@ -660,7 +660,8 @@ class Scheduler:
         return DecodeState(
             tokens=torch.zeros(rows, self.engine.capacity + 1, dtype=torch.int64, device=dev),  # + scratch
             committed=zeros(torch.int64), pending=zeros(torch.int64), active=zeros(torch.bool),
-            temperature=zeros(torch.float32), top_k=zeros(torch.int32), top_p=torch.ones(rows, dtype=torch.float32, device=dev),
+            temperature=zeros(torch.float32), top_k=zeros(torch.int32),
+            top_p=torch.ones(rows, dtype=torch.float32, device=dev),
             seed=zeros(torch.int64), offset=zeros(torch.int64), max_committed=0, all_greedy=True,
             metrics=StepMetrics.zeros(rows, dev, levels=1 + len(self.engine.drafters),
                                       positions=self.decoder.max_tokens_per_forward,

@@ -363,7 +363,8 @@ class CascadeDecoder(Decoder):
         width = max(1, min(columns[n + self.width_column], self.max_width))
         tree = bool(self.tree) and columns[-1] > 0
         # one slot more than the widest draft: the scratch slot of entries not written (_write)
-        q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size, dtype=torch.float32, device=dev)
+        q = None if state.all_greedy else torch.zeros(b, self.max_width + 1, self.models.target.vocab_size,
+                                                      dtype=torch.float32, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
         seeds = None if state.all_greedy else self.review_seeds
