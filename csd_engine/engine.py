@@ -20,6 +20,7 @@ host; kernel input checks read values only when asked (tests).
 """
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -238,6 +239,7 @@ class Engine:
                 if not (isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc)):
                     raise
                 raise MemoryError(self._too_big([(which, runner, size)], f"too much for {runner.device}")) from None
+            runner.cache_owner = weakref.ref(self)
 
     def _too_big(self, caches: list, why: str) -> str:
         total = sum(size for _, _, size in caches) / 2 ** 30

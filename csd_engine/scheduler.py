@@ -250,14 +250,22 @@ class Scheduler:
             raise ValueError(f"{strategy!r} feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
                              f"at most {HEADROOM // 2} fit the cache headroom: shorten its drafts (k, gamma, "
                              f"k_matrix, mag_tokens, direct_tokens, tree, branching)")
+        for i, runner in enumerate(engine.models()):
+            if runner.cache_owner is not None and runner.cache_owner() is not engine:
+                which = "target" if i == 0 else f"drafter {engine.drafters.index(runner)}"
+                raise RuntimeError(f"this engine's {which} runner was passed to another Engine since, which "
+                                   "reallocated its caches (a runner serves the last Engine built with it): use "
+                                   "that engine or build a new one, or give each engine runners of its own")
         if not engine._busy.acquire(blocking=False):
-            raise RuntimeError("the engine is busy: another generate or scheduler holds its caches (one at a "
-                               "time; a Scheduler or AsyncEngine holds them until its close(); serve concurrent "
-                               "callers through csd_engine.serving.AsyncEngine)")
+            raise RuntimeError("the engine is busy: another generate, stream or scheduler holds its caches (one "
+                               "at a time; a stream holds them until it is exhausted or closed, a Scheduler or "
+                               "AsyncEngine until its close(); serve concurrent callers through "
+                               "csd_engine.serving.AsyncEngine)")
         # closed explicitly, or when garbage-collected: a dropped scheduler does not keep the engine busy
         self._release = weakref.finalize(self, _release_engine, engine)
         self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, prefill_chunk
         self.closed = False
+        self.failed: BaseException | None = None  # what a step raised: its state is unknown from then on
         try:
             engine._kept_steps = None  # kept again below while its graphs stay valid
             self.state = kept.state if reuse else self._empty_state(rows)
@@ -368,17 +376,27 @@ class Scheduler:
     def _check_open(self):
         if self.closed:
             raise RuntimeError("this scheduler is closed")
+        if self.failed is not None:
+            raise RuntimeError(f"a step of this scheduler raised {type(self.failed).__name__}({self.failed}), which "
+                               "left its requests and caches part-way through a step: close it and open a new one "
+                               "(engine.scheduler(...)); the engine itself is fine")
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one decoding step, and return every request's increment."""
+        """Admit waiting requests, run one decoding step, and return every request's increment.
+        A step that raises (Ctrl-C included) may stop between the device's work and its
+        bookkeeping, so the scheduler refuses every later call; the next one starts clean."""
         self._check_open()
         if torch.get_default_dtype() != torch.float32:  # integer division, ones(...): float32 by default only
             raise RuntimeError(f"torch's default dtype is {torch.get_default_dtype()} (torch.set_default_dtype), but "
                                "csd_engine's steps compute in float32 with it as the default: set it back to "
                                "torch.float32 while generating")
         with on_device(self.engine.device):  # the thread driving this scheduler launches on the engine's GPU
-            return self._step()
+            try:
+                return self._step()
+            except BaseException as error:  # Ctrl-C or an error mid-step: device and host records disagree
+                self.failed = error
+                raise
 
     def _step(self) -> list[RequestOutput]:
         outputs, freed = self._abort()

@@ -133,6 +133,7 @@ class GraphedRunner(Runner):
     weight_bytes = _wrapped("weight_bytes")
     eos_token_ids = _wrapped("eos_token_ids")
     attention_window = _wrapped("attention_window")
+    cache_owner = _wrapped("cache_owner")
     position_limit = _wrapped("position_limit")
 
     @property

@@ -107,6 +107,9 @@ class Runner:
     # against 0.5B's 151936, one tokenizer): its logits get that many rows of -inf (it never
     # proposes them) and the target's ids past its own are fed as its last row (own_ids).
     vocab_pad: int = 0
+    # weakref to the Engine whose caches this runner holds (the last one built with it): a runner
+    # passed to a second Engine is that engine's from then on, and the first refuses to run it.
+    cache_owner = None
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` as this model can embed them: a padding id of the target's vocabulary (which no

@@ -295,6 +295,56 @@ def test_a_busy_engine_refuses_a_second_user_and_recovers(models):
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("name", ["autoregressive", "speculative-model", "cascade2-l2"])
+@pytest.mark.parametrize("failing_call", [1, 4])  # 1: the admission prefill; 4: a decoding forward
+def test_a_scheduler_whose_step_raised_refuses_later_calls(models, name, failing_call, monkeypatch):
+    """A step that raises (here the target's forward; Ctrl-C alike) can stop between the device's
+    work and its bookkeeping: the scheduler then refuses step and add by name instead of hanging
+    on a row that never went live or reading caches out of step; the engine's next scheduler
+    gives plain decoding's tokens."""
+    engine = engine_for(models, name, rows=2)
+    strategy = STRATEGIES[name][1]
+    prompts, params = [repetitive_prompt(7), repetitive_prompt(9)], SamplingParams(max_new_tokens=12)
+    expected = [r.token_ids for r in engine_for(models, "autoregressive", rows=2).generate(prompts, params)]
+    target, calls = engine.target, [0]
+    real = type(target).forward
+
+    def forward(self, batch):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise RuntimeError("injected failure")
+        return real(self, batch)
+    monkeypatch.setattr(type(target), "forward", forward)
+    s = engine.scheduler(strategy)
+    for p in prompts:
+        s.add(p, params)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        while s.has_unfinished():
+            s.step()
+    for call in (s.step, lambda: s.add([1, 2], params)):
+        with pytest.raises(RuntimeError, match=r"a step of this scheduler raised RuntimeError\(injected failure\)"
+                                               r".*close it and open a new one"):
+            call()
+    s.close()
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=strategy)] == expected
+
+
+def test_a_runner_passed_to_a_second_engine_is_refused_by_the_first(models):
+    """A runner serves the last Engine built with it (that engine reallocated its caches): the
+    first one refuses to run it by name instead of failing inside a kernel or decoding over the
+    other's caches; the second decodes as plain decoding does."""
+    first = Engine(models["target"], drafters=[models["d1"]], max_batch_size=3, max_seq_len=64)
+    second = Engine(first.target, drafters=[first.drafters[0]], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(RuntimeError, match="this engine's target runner was passed to another Engine since"):
+        first.generate([[1, 2, 3]])
+    plain = Engine(models["target"], max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]])[0].token_ids
+    assert second.generate([[1, 2, 3]], strategy=STRATEGIES["speculative-model"][1])[0].token_ids == plain
+    third = Engine(models["target"], drafters=[second.drafters[0]], max_batch_size=1, max_seq_len=32)
+    with pytest.raises(RuntimeError, match="this engine's drafter 0 runner was passed to another Engine since"):
+        second.generate([[1, 2, 3]])
+    assert third.generate([[1, 2, 3]], strategy=STRATEGIES["speculative-model"][1])[0].token_ids == plain
+
+
 def test_a_strategy_without_a_decoder_protocol_is_refused_clearly(models):
     """Not a strategy, or a strategy whose decoder does not subclass Decoder: a TypeError naming
     what is missing, and the engine decodes afterwards."""

@@ -465,9 +465,9 @@ def test_a_padded_drafter_behind_a_graphed_runner_and_runners_passed_again():
     small = tiny_llama(seed=41, vocab=VOCAB)
     again = Engine(small, drafters=[graphed], max_batch_size=1, max_seq_len=32)
     assert graphed.vocab_pad == 0
-    assert Engine(graphed, max_batch_size=1, max_seq_len=32).target.vocab_pad == 0
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
     assert len(again.generate([[1, 2, 3]], sampled, strategy=Speculative(k=3))[0].token_ids) == 6
+    assert Engine(graphed, max_batch_size=1, max_seq_len=32).target.vocab_pad == 0
     a, b = load_runner(small, "cpu", torch.float32)[0], load_runner(perturbed(small, 0.1), "cpu", torch.float32)[0]
     Engine(small, drafters=[a, a, b], max_batch_size=1, max_seq_len=32)
     assert b.cache is not None
