@@ -122,6 +122,19 @@ def submitted_chain(post: torch.Tensor, any_post: bool, carried: torch.Tensor, n
     return torch.where(mask, torch.cat([carried, new[:, :1]], 1), new)
 
 
+def _wait_out(job) -> None:
+    """Wait for the drafter's job to end, a second Ctrl-C included (raised once it has ended):
+    its thread writes the drafter's cache, which the next scheduler would otherwise share with it."""
+    interrupted = None
+    while not job.done():
+        try:
+            wait([job])
+        except BaseException as error:  # KeyboardInterrupt arrives in the main thread only
+            interrupted = interrupted or error
+    if interrupted is not None:
+        raise interrupted
+
+
 class PearlDecoder(Decoder):
     step_graphs = False  # its drafter runs in a worker thread: the step is not one stream's device work
 
@@ -165,7 +178,7 @@ class PearlDecoder(Decoder):
             logits = forward_tokens(self.target, state, target_ids, flag_all=False)
             new, new_q = self._join(job, state.metrics, time.perf_counter())
         finally:  # the drafter writes its cache: nothing may go on running after a failed (or interrupted) step
-            wait([job])
+            _wait_out(job)
 
         drafts = submitted_chain(post, any_post, self.carry, new)
         carry_q = self.carry_q

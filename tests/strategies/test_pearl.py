@@ -3,6 +3,7 @@ follows the target (including the drafter's extension checked at the bonus posit
 caches hold exactly the committed sequence after many mode switches, and threads never make
 the output depend on timing."""
 import time
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -160,12 +161,12 @@ def test_same_seeds_give_the_same_tokens_despite_threads(models):
         assert_metrics_consistent(a, 3)
 
 
-@pytest.mark.parametrize("where", ["target forward", "interrupt while joining"])
+@pytest.mark.parametrize("where", ["target forward", "interrupt while joining", "second interrupt while waiting"])
 def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch, where):
     """A PEARL round that raises (its target forward fails, or Ctrl-C lands while the host waits
-    for the drafter): the round's drafter job (on the worker thread, writing the drafter's cache)
-    ends before generate raises, so nothing runs on the engine's caches afterwards, and the next
-    generate is exact."""
+    for the drafter, or a second Ctrl-C while the failed round waits for its drafter): the round's
+    drafter job (on the worker thread, writing the drafter's cache) ends before generate raises,
+    so nothing runs on the engine's caches afterwards, and the next generate is exact."""
     target, drafters = models
     engine = Engine(target, drafters=[drafters[1]], max_batch_size=2, max_seq_len=64, verify_backend="torch")
     prompts = random_prompts(2, lo=3, hi=9, seed=5)
@@ -174,6 +175,7 @@ def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch, where
     drafter_forward, target_forward, join = engine.drafters[0].forward, engine.target.forward, PearlDecoder._join
     finished, calls = [], []
     error = RuntimeError("the target failed") if where == "target forward" else KeyboardInterrupt()
+    waits = []
 
     def slow_drafter(batch):
         time.sleep(0.05)
@@ -193,8 +195,16 @@ def test_a_failed_step_leaves_no_drafter_work_running(models, monkeypatch, where
             raise error
         return join(self, job, *args)
 
+    def interrupted_wait(jobs):  # the second Ctrl-C: on the failed round's first wait for its drafter
+        if len(calls) == 3 and not waits:
+            waits.append(1)
+            raise KeyboardInterrupt()
+        return wait(jobs)
+
     monkeypatch.setattr(engine.drafters[0], "forward", slow_drafter)
-    if where == "target forward":
+    if where == "second interrupt while waiting":
+        monkeypatch.setattr("csd_engine.strategies.pearl.wait", interrupted_wait)
+    if where != "interrupt while joining":
         monkeypatch.setattr(engine.target, "forward", failing_target)
     else:
         monkeypatch.setattr(PearlDecoder, "_join", interrupted_join)
