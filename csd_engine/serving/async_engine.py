@@ -185,7 +185,8 @@ class AsyncEngine:
             self._send(("close",))
         except EngineStopped:
             pass
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # close() from a `call` stops the thread after it
+            self._thread.join(timeout)
 
     def __enter__(self):
         return self

@@ -203,6 +203,13 @@ def test_close_stops_serving_and_releases_the_engine(engine):
     asyncio.run(main())
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
 
+    # closed from work run on its own thread: the thread stops after it, instead of joining itself
+    async_engine = AsyncEngine(engine)
+    asyncio.run(async_engine.call(async_engine.close))
+    async_engine.close()
+    assert async_engine.error == "the engine was closed"
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+
 
 WITHOUT_THE_SERVE_EXTRA = """
 import sys
