@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from csd_engine import ops
 from csd_engine.checks import is_int, is_integral
 from csd_engine.drafters.mag import MaG
 from csd_engine.models.graphs import maybe_graphed
@@ -145,6 +146,8 @@ class Engine:
             check_spec(spec)
         dtype = _checked_dtype(dtype)
         self.device = _checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            ops.warn_without_extension()
         # Neural drafters may live on a device of their own (PEARL's two-device layout); the
         # other strategies refuse such an engine (strategies.base.require_one_device).
         self.drafter_device = self.device if drafter_device is None else _checked_device(drafter_device,

@@ -15,6 +15,7 @@ The extension is optional: without it (or without a kernel for the input's devic
 its reference, after one warning.
 """
 import functools
+import importlib.util
 import os
 import warnings
 
@@ -29,7 +30,10 @@ try:
     _MISSING_REASON = ""
 except ImportError as error:
     HAS_EXTENSION = False
-    _MISSING_REASON = f"csd_engine._C did not import ({error})"
+    _MISSING_REASON = "csd_engine._C did not import: " + (
+        f"{error}" if importlib.util.find_spec("csd_engine._C") is not None else
+        "it is not built (a CSD_NO_EXTENSION=1 install, or a source checkout: python setup.py build_ext --inplace, "
+        "or pip install --no-build-isolation -e .)")
 
 ROOT = -1     # parent of a child of the committed prefix
 
@@ -75,6 +79,18 @@ if _HAS_CPU_LAYER_OPS and not _has_argument("csd_engine::decode_attention", "tre
 @functools.cache
 def _warn_fallback(reason: str) -> None:
     warnings.warn(f"{reason}; using the slower PyTorch reference", RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def warn_without_extension() -> None:
+    """Once, when an engine is built on the CPU without csd_engine._C: its matmuls and layer ops
+    run as PyTorch ops, slower, and (in bfloat16) wide forwards no longer compute each token as
+    a one-token forward does, so greedy speculation equals plain decoding only with
+    batch_invariant=True."""
+    if not HAS_EXTENSION:
+        warnings.warn(f"{_MISSING_REASON}; the CPU engine runs PyTorch's ops instead of its kernels: slower, and in "
+                      "bfloat16 greedy speculation equals plain decoding only with Engine(batch_invariant=True)",
+                      RuntimeWarning)
 
 
 def _check_parents_layout(parents: torch.Tensor) -> None:

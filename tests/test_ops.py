@@ -186,6 +186,15 @@ with warnings.catch_warnings(record=True) as caught:
 assert len(caught) == 1 and "csd_engine._C did not import" in str(caught[0].message), caught
 assert all(torch.equal(a, b) for a, b in zip(first, ops.build_tree_mask_ref(parents)))
 assert first[2][0, 3].tolist() == [0, 1, 3, -1, -1]
+# an engine on the CPU says so once: it runs PyTorch's ops, and bf16 exactness needs batch_invariant
+from csd_engine import Engine
+from tests.tiny_models import tiny_llama
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Engine(tiny_llama(), max_batch_size=1, max_seq_len=16)
+    Engine(tiny_llama(), max_batch_size=1, max_seq_len=16)
+said = [w for w in caught if "PyTorch's ops instead of its kernels" in str(w.message)]
+assert len(said) == 1 and "batch_invariant=True" in str(said[0].message), caught
 """
     result = subprocess.run([sys.executable, "-c", program], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120)
