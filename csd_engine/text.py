@@ -4,7 +4,8 @@ Each step decodes only a window: the tokens since the last text it could settle,
 settled step's tokens before them as context (decoding a window alone would change how its
 first token spaces or joins), so a step costs the same however long the output is. Text is
 settled only when it does not end in U+FFFD (an incomplete UTF-8 sequence, to be completed by
-the next tokens), or, for a U+FFFD the model meant, once three more tokens leave it in place.
+the next tokens), or, for a U+FFFD the model meant, once three more tokens that carry bytes (not
+special ones) leave it in place.
 Deltas handed out also hold back the last `len(longest stop) - 1` characters, which may be the
 start of a stop string, so the deltas, concatenated, are exactly the final text.
 """
@@ -12,7 +13,7 @@ import codecs
 import re
 
 REPLACEMENT = "\ufffd"
-MAX_CONTINUATION_TOKENS = 3  # a UTF-8 character's bytes after its first: each token carries at least one
+MAX_CONTINUATION_TOKENS = 3  # a UTF-8 character's bytes after its first: each token but a special one carries one or more
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
 
@@ -21,6 +22,10 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        # special tokens carry no text (skip_special_tokens): they complete no character
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", None) or ()) | \
+            {i for i, token in added.items() if getattr(token, "special", False)}
         self.text = ""  # the settled text of ids[:read]
         self.prefix = 0  # the window's context starts at this token
         self.read = 0  # tokens whose text is settled
@@ -43,34 +48,38 @@ class IncrementalText:
         if piece and (final or not piece.endswith(REPLACEMENT)):
             self.text += piece
             self.prefix, self.read = self.read, len(ids)
-        elif len(ids) - self.read > MAX_CONTINUATION_TOKENS:
-            # A U+FFFD before the last three tokens is settled where the text up to there stays a
-            # prefix: its characters had every byte they can have (a real U+FFFD, or invalid bytes).
-            end = len(ids) - MAX_CONTINUATION_TOKENS
+            return
+        # A U+FFFD followed by three tokens that carry bytes is settled where the text up to them
+        # stays a prefix: its characters had every byte they can have (a real U+FFFD, or invalid bytes).
+        end, carrying = len(ids), 0
+        while end > self.read and carrying < MAX_CONTINUATION_TOKENS:
+            end -= 1
+            carrying += ids[end] not in self.special
+        if carrying == MAX_CONTINUATION_TOKENS and end > self.read:
             head = self._piece(ids, end)
             if head and piece.startswith(head):
                 self.text += head
                 self.prefix, self.read = self.read, end
 
     def stop_at(self, ids: list[int]) -> int | None:
-        """If the settled text now holds a stop string: return how many tokens to keep (they end
-        with the first token that completed one) and cut the text before the first stop string
-        in their text, as token-by-token decoding would (a later token may complete another
-        that starts earlier: it was never reached)."""
+        """If the settled text now holds a stop string: return how many tokens to keep and cut the
+        text before the first stop string, as token-by-token decoding would. The tokens end with
+        the first whose text holds, as the settled text does, the stop string that ends first
+        (not a match on a character still incomplete there); the cut is at the first stop string
+        ending there (one that a later token would complete, starting earlier, was never reached)."""
         if not self.stop:
             return None
         start, self.searched = max(0, self.searched - self.hold), len(self.text)
-        if not any(self.text.find(s, start) >= 0 for s in self.stop):
+        found = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not found:
             return None
+        end = min(e for _, e in found)
+        reached = self.text[:end]
         base, prefix, read = self.last  # the text and window before this update
         context = self.decode(ids[prefix:read])
-        keep, text = len(ids), self.text
-        for n in range(read + 1, len(ids) + 1):
-            text = self.text[:base] + self.decode(ids[prefix:n])[len(context):]
-            if any(text.find(s, start) >= 0 for s in self.stop):
-                keep = n
-                break
-        self.text = text[:min(i for i in (text.find(s, start) for s in self.stop) if i >= 0)]
+        keep = next((n for n in range(read + 1, len(ids) + 1)
+                     if (self.text[:base] + self.decode(ids[prefix:n])[len(context):]).startswith(reached)), len(ids))
+        self.text = self.text[:min(i for i, e in found if e == end)]
         return keep
 
     def delta(self, final: bool) -> str:

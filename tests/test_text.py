@@ -8,8 +8,8 @@ from csd_engine.text import IncrementalText, TextOffsets, token_bytes
 from tests.strategies.test_continuous import ByteTokenizer
 
 
-def run(tokens, steps, stop=()):
-    text = IncrementalText(ByteTokenizer(), stop)
+def run(tokens, steps, stop=(), tokenizer=None):
+    text = IncrementalText(tokenizer or ByteTokenizer(), stop)
     out, deltas, i = [], [], 0
     for size in steps:
         out += tokens[i:i + size]
@@ -167,3 +167,32 @@ def test_deltas_hold_back_only_what_may_start_a_stop_string():
         text.update(ids)
         assert text.stop_at(ids) is None
         assert text.delta(final=False) == delta, stop
+
+
+class SpecialTokenizer(ReplacementTokenizer):
+    """ReplacementTokenizer, with tokens 4-6 special (no text, skipped as the engine decodes)."""
+
+    pieces = ReplacementTokenizer.pieces + [b"<s1>", b"<s2>", b"<s3>"]
+    all_special_ids = [4, 5, 6]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return super().decode([t for t in ids if not (skip_special_tokens and t in self.all_special_ids)])
+
+
+def test_special_tokens_inside_a_character_do_not_settle_it_early():
+    """Special tokens carry no bytes: three of them between 'é's two bytes leave it unfinished, so
+    one token per step gives the text a whole step gives (not U+FFFD, its second byte lost)."""
+    tokens = [1, 2, 4, 5, 6, 3, 1]  # "a" + first byte of é + three special tokens + second byte + "a"
+    for steps in ([1] * 7, [7], [2, 3, 2]):
+        out, joined, final = run(tokens, steps, tokenizer=SpecialTokenizer())
+        assert joined == final == "aéa", steps
+
+
+def test_a_stop_string_holding_u_fffd_is_not_matched_on_an_unfinished_character():
+    """'é' arriving over two tokens of one step decodes as U+FFFD after the first: a stop string
+    "\ufffd" must match only the real U+FFFD that follows, where one token per step stops too,
+    keeping the tokens up to the one that completed it."""
+    tokens = [1, 2, 3, 1, 0, 1, 1]  # "aéa" + U+FFFD + "aa"
+    for steps in ([1] * 7, [7], [2, 5], [3, 4]):
+        out, joined, final = run(tokens, steps, stop=("\ufffd",), tokenizer=ReplacementTokenizer())
+        assert (out, joined, final) == ([1, 2, 3, 1, 0], "aéa", "aéa"), steps
