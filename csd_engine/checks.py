@@ -1,5 +1,5 @@
 """Type checks that the constructors' validation shares: a count is an int and never a bool
-(True would pass as 1), a setting a finite real number."""
+(True would pass as 1), a setting a finite real number, text valid Unicode."""
 import math
 import numbers
 
@@ -17,3 +17,13 @@ def is_number(value) -> bool:
 def is_integral(value) -> bool:
     """A Python or NumPy integer, not a bool (a token id, a seed)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode: UTF-8 encodes it (a lone surrogate, which JSON's escapes
+    and Python strings can hold but no decoded text does, fails)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

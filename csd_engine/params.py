@@ -1,8 +1,9 @@
 """Sampling parameters: one per request, validated on construction."""
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from csd_engine.checks import is_integral
+from csd_engine.checks import is_integral, is_unicode
 
 MIN_TEMPERATURE = 1e-6  # below it (but for 0, greedy) logits / temperature overflows float32 for large logits
 MAX_TOP_K = 2 ** 31 - 1  # the engine keeps top_k as int32 (any top_k >= the vocabulary keeps every token)
@@ -65,12 +66,13 @@ class SamplingParams:
             if ids is None:
                 raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
             self._set(stop_token_ids=ids)
-        if isinstance(self.stop, str):
-            self._set(stop=(self.stop,))
         if self.stop is not None:
-            self._set(stop=tuple(self.stop))
-            if not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            many = isinstance(self.stop, Iterable) and not isinstance(self.stop, (str, bytes, Mapping))
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop) if many else None
+            if stop is None or not all(isinstance(s, str) and s and is_unicode(s) for s in stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them (valid Unicode: no lone "
+                                 f"surrogates), got {self.stop!r}")
+            self._set(stop=stop)
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from csd_engine.checks import is_int, is_number
+from csd_engine.checks import is_int, is_number, is_unicode
 from csd_engine.params import MAX_SEED, MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 from csd_engine.scheduler import QueueFull, RequestOutput
 from csd_engine.serving.async_engine import EngineStopped
@@ -147,8 +147,10 @@ def sampling_params(body: Body, chat: bool, vocab_size: int, max_seq_len: int) -
     stop = body.body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop", f"stop must be a non-empty string or a list of them, got {_show(body.body['stop'])}")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s and is_unicode(s)
+                                                                    for s in stop)):
+        raise _bad("stop", f"stop must be a non-empty string or a list of them (valid Unicode: no lone "
+                           f"surrogates), got {_show(body.body['stop'])}")
     stop_ids = body.body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list)
                                  or not all(is_int(t) and 0 <= t < vocab_size for t in stop_ids)):
@@ -209,19 +211,10 @@ def chat_messages(body: Body) -> list[dict]:
                                    "list of text parts)")
         elif content is not None and not isinstance(content, str):
             raise _bad("messages", f"{where}.content must be a string or a list of text parts, got {_show(content)}")
-        if content and not _is_unicode(content):
+        if content and not is_unicode(content):
             raise _bad("messages", f"{where}.content is not valid Unicode text (it holds a lone surrogate)")
         out.append({"role": message["role"], "content": content or ""})
     return out
-
-
-def _is_unicode(text: str) -> bool:
-    """Whether `text` can be encoded as UTF-8 (JSON's escapes can spell a lone surrogate)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def completion_prompts(body: Body) -> list:

@@ -239,6 +239,7 @@ BAD = [  # (endpoint, body, status, the field named)
     ("completions", {"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop"),  # a lone surrogate (JSON's escape)
     ("completions", {"prompt": "x", "stop_token_ids": [1000]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "x", "logprobs": "yes"}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),

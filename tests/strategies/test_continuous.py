@@ -13,6 +13,7 @@
 """
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -380,8 +381,11 @@ def test_full_queue_and_bad_requests_are_refused_clearly(models):
             scheduler.add_all([([5], None, "a"), ([6], None, "a")])
         assert len(scheduler.waiting) == 2 and len(scheduler.requests) == 2  # a refused group left nothing
         scheduler.step()  # the queued request runs: nothing a refusal touched leaked into it
-        with pytest.raises(ValueError, match="stop must be a non-empty string"):
-            SamplingParams(stop=[""])
+        # refused by name, as given: not its conversion (a dict's keys, bytes' ints), nor text no decoding gives
+        for stop in ([""], 123, b"abc", {"x": 1}, ["\ud800"]):
+            with pytest.raises(ValueError, match=f"stop must be a non-empty string.*got {re.escape(repr(stop))}"):
+                SamplingParams(stop=stop)
+        assert SamplingParams(stop={"x"}).stop == SamplingParams(stop="x").stop == ("x",)
 
 
 def test_a_request_with_non_finite_logits_fails_alone():
