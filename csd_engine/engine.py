@@ -263,6 +263,11 @@ class Engine:
                                  "native=True (Llama / Qwen2 / Mistral architectures)")
             native.make_batch_invariant()
 
+    def __reduce__(self):
+        raise TypeError("an Engine holds loaded models and their caches and cannot be pickled or copied: build one "
+                        "in each process (multiprocessing's spawn or forkserver start methods) from the same "
+                        "target, drafters and options")
+
     def models(self):
         """The neural runners (target first); MaG has no cache."""
         return [self.target] + [d for d in self.drafters if not isinstance(d, MaG)]

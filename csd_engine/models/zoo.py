@@ -223,6 +223,12 @@ def load_gguf(gguf_path: pathlib.Path, dtype):
     """(model, tokenizer) from a GGUF file, its weights dequantized to dense `dtype`: how the
     zoo converts its GGUFs and how the loader opens a `.gguf` path, so both give one model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    try:  # what transformers reads GGUF with; its own error names no extra
+        import accelerate  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"loading a .gguf file needs the gguf and accelerate packages: pip install "
+                          f"'csd_engine[gguf]' ({error})") from None
 
     # dequantize=True asks for dense weights outright; left out, transformers first looks
     # for a packed-GGUF matmul kernel on the model hub, which this machine cannot reach.

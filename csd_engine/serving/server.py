@@ -68,6 +68,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # pickle and copy rebuild it from every field, not from the message alone
+        return type(self), (self.status, self.message, self.param, self.kind, self.code)
+
 
 def _bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param)

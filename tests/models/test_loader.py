@@ -1,5 +1,7 @@
 """The loader: end-of-sequence ids from every source, hub revisions, and a `.gguf` path that
 loads exactly like the zoo's folder built from the same GGUF."""
+import sys
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -163,6 +165,12 @@ def test_a_path_object_and_a_broken_gguf(tmp_path):
     broken.write_bytes(zoo.fetch_gguf("smollm2-135m").read_bytes()[:100])
     with pytest.raises(ValueError, match=r"cut\.GGUF' is not a model"):
         Engine(str(broken))
+
+
+def test_a_gguf_without_the_gguf_extra_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"needs the gguf and accelerate packages: pip install 'csd_engine\[gguf\]'"):
+        Engine(str(zoo.fetch_gguf("smollm2-135m")))
 
 
 def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):

@@ -412,3 +412,15 @@ def test_every_streamed_choice_opens_with_the_role_and_usage_counts_every_prompt
     completion_tokens = sum(len(c["token_ids"]) for c in response["choices"])
     assert response["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                  "total_tokens": prompt_tokens + completion_tokens}
+
+
+def test_an_api_error_pickles_and_copies_with_every_field():
+    """A process pool or task queue carries errors by pickling them: every field comes back."""
+    import copy
+    import pickle
+
+    from csd_engine.serving.server import APIError
+    error = APIError(400, "top_k must be an int", param="top_k", code="bad_value")
+    for back in (pickle.loads(pickle.dumps(error)), copy.deepcopy(error), copy.copy(error)):
+        assert (back.status, back.message, back.param, back.kind, back.code, str(back)) == \
+            (400, "top_k must be an int", "top_k", "invalid_request_error", "bad_value", "top_k must be an int")

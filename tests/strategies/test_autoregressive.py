@@ -1,7 +1,9 @@
 """Autoregressive decoding: exact greedy equality with transformers, sampling by distribution,
 per-request seeds, stop handling, and errors that leave the engine usable."""
+import copy as copy_module
 import dataclasses
 import math
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -191,6 +193,9 @@ def test_settings_an_app_leaves_behind_get_clear_errors():
         engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=3))
     with pytest.raises(ValueError, match=r"this engine has none .*Engine\(\.\.\., tokenizer=\.\.\.\)"):
         engine.generate(["hello"])
+    for duplicate in (pickle.dumps, copy_module.deepcopy):  # handed to a process pool, say
+        with pytest.raises(TypeError, match="an Engine holds loaded models .* build one in each process"):
+            duplicate(engine)
     assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids == good
 
 
