@@ -171,8 +171,16 @@ class Engine:
             self._make_batch_invariant()
         self.max_seq_len = self._sequence_limit(max_seq_len)
         self.capacity = self.max_seq_len + HEADROOM
-        self._allocate_caches()
         self._busy = threading.Lock()  # held by the one scheduler (or generate) using the caches
+        for runner in self.models():  # one lock per runner, shared by every engine built over it
+            runner.busy = runner.busy or threading.Lock()
+        if not self._acquire():
+            raise RuntimeError("a runner passed to this engine is in use by another Engine's generate or scheduler: "
+                               "build this one once that has ended")
+        try:
+            self._allocate_caches()
+        finally:
+            self._release()
         # On the CPU the target verifies only up to the longest real draft: one host read per
         # step more, which costs nothing there, against a forward whose cost grows with its width.
         self.trim_drafts = self.device.type == "cpu"
@@ -243,6 +251,7 @@ class Engine:
                     raise
                 raise MemoryError(self._too_big([(which, runner, size)], f"too much for {runner.device}")) from None
             runner.cache_owner = weakref.ref(self)
+        self._kept_steps = None
 
     def _too_big(self, caches: list, why: str) -> str:
         total = sum(size for _, _, size in caches) / 2 ** 30
@@ -262,6 +271,36 @@ class Engine:
                                  "transformers runner (its forwards take another shape per step): load it with "
                                  "native=True (Llama / Qwen2 / Mistral architectures)")
             native.make_batch_invariant()
+
+    def _acquire(self) -> bool:
+        """Take the engine's lock and its runners' (shared with engines built over the same runners,
+        so that one of them generates at a time); False, holding none, where one is taken."""
+        held = []
+        for lock in [self._busy] + list({id(r.busy): r.busy for r in self.models()}.values()):
+            if not lock.acquire(blocking=False):
+                for taken in held:
+                    taken.release()
+                return False
+            held.append(lock)
+        return True
+
+    def _release(self) -> None:
+        for lock in [self._busy] + list({id(r.busy): r.busy for r in self.models()}.values()):
+            lock.release()
+
+    def _claim_runners(self) -> None:
+        """Make the runners this engine's again where another Engine built over one of them ran
+        since (the caller holds their locks): the cache sized for this engine (reallocated only
+        where its shape differs), this engine's vocabulary padding, and no kept step graphs,
+        which were captured over the tensors the other engine replaced."""
+        for runner in self.models():
+            if runner.cache_owner is not None and runner.cache_owner() is self:
+                continue
+            if not runner.holds(self.max_batch_size, self.capacity):
+                runner.allocate(self.max_batch_size, self.capacity)
+            runner.vocab_pad = self.target.vocab_size - runner.vocab_size
+            runner.cache_owner = weakref.ref(self)
+            self._kept_steps = None
 
     def __reduce__(self):
         raise TypeError("an Engine holds loaded models and their caches and cannot be pickled or copied: build one "

@@ -127,10 +127,10 @@ class GenerationResult:
 
 
 def _release_engine(engine) -> None:
-    """What a scheduler gives back when it closes: the caches (the engine's lock) and the flags."""
+    """What a scheduler gives back when it closes: the caches (the engine's and runners' locks) and the flags."""
     for runner in engine.models():  # a runner called outside a scheduler flags nothing
         runner.nonfinite_rows = None
-    engine._busy.release()
+    engine._release()
 
 
 def request_metrics(m: StepMetrics, row: int, n_new: int, forwards: list[int], waits: dict, wall: float,
@@ -235,38 +235,35 @@ class Scheduler:
         if not hasattr(strategy, "decoder"):
             raise TypeError(f"unknown strategy {strategy!r}: pass one of csd_engine.Autoregressive, "
                             "Speculative, Cascade, Staged, Pearl")
-        kept = engine._kept_steps
-        reuse = kept is not None and kept.rows == rows and kept.strategy == strategy
-        self.model_sizes = [engine.target.num_params] + [0 if isinstance(d, MaG) else d.num_params
-                                                         for d in engine.drafters]  # weigh forwards (SWI)
-        # building the decoder validates the strategy against the drafters (a kept one was)
-        decoder = kept.decoder if reuse else strategy.decoder(engine._decoder_models())
-        if not isinstance(decoder, Decoder):
-            raise TypeError(f"{type(strategy).__name__}.decoder() returned a {type(decoder).__name__}, not a "
-                            "csd_engine.strategies.base.Decoder: subclass it (it declares what the scheduler calls)")
-        if 2 * decoder.max_tokens_per_forward > HEADROOM:
-            # A row can commit up to one forward past its limit in its last step, and a row is
-            # fed (masked) once more before it leaves: two forwards must fit.
-            raise ValueError(f"{strategy!r} feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
-                             f"at most {HEADROOM // 2} fit the cache headroom: shorten its drafts (k, gamma, "
-                             f"k_matrix, mag_tokens, direct_tokens, tree, branching)")
-        for i, runner in enumerate(engine.models()):
-            if runner.cache_owner is not None and runner.cache_owner() is not engine:
-                which = "target" if i == 0 else f"drafter {engine.drafters.index(runner)}"
-                raise RuntimeError(f"this engine's {which} runner was passed to another Engine since, which "
-                                   "reallocated its caches (a runner serves the last Engine built with it): use "
-                                   "that engine or build a new one, or give each engine runners of its own")
-        if not engine._busy.acquire(blocking=False):
+        if not engine._acquire():
             raise RuntimeError("the engine is busy: another generate, stream or scheduler holds its caches (one "
-                               "at a time; a stream holds them until it is exhausted or closed, a Scheduler or "
-                               "AsyncEngine until its close(); serve concurrent callers through "
-                               "csd_engine.serving.AsyncEngine)")
+                               "at a time, also among engines built over the same runners; a stream holds them "
+                               "until it is exhausted or closed, a Scheduler or AsyncEngine until its close(); "
+                               "serve concurrent callers through csd_engine.serving.AsyncEngine)")
         # closed explicitly, or when garbage-collected: a dropped scheduler does not keep the engine busy
         self._release = weakref.finalize(self, _release_engine, engine)
-        self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, prefill_chunk
         self.closed = False
         self.failed: BaseException | None = None  # what a step raised: its state is unknown from then on
         try:
+            engine._claim_runners()
+            kept = engine._kept_steps
+            reuse = kept is not None and kept.rows == rows and kept.strategy == strategy
+            self.model_sizes = [engine.target.num_params] + [0 if isinstance(d, MaG) else d.num_params
+                                                             for d in engine.drafters]  # weigh forwards (SWI)
+            # building the decoder validates the strategy against the drafters (a kept one was)
+            decoder = kept.decoder if reuse else strategy.decoder(engine._decoder_models())
+            if not isinstance(decoder, Decoder):
+                raise TypeError(f"{type(strategy).__name__}.decoder() returned a {type(decoder).__name__}, not a "
+                                "csd_engine.strategies.base.Decoder: subclass it (it declares what the scheduler "
+                                "calls)")
+            if 2 * decoder.max_tokens_per_forward > HEADROOM:
+                # A row can commit up to one forward past its limit in its last step, and a row is
+                # fed (masked) once more before it leaves: two forwards must fit.
+                raise ValueError(f"{strategy!r} feeds up to {decoder.max_tokens_per_forward} tokens per forward; "
+                                 f"at most {HEADROOM // 2} fit the cache headroom: shorten its drafts (k, gamma, "
+                                 f"k_matrix, mag_tokens, direct_tokens, tree, branching)")
+            self.engine, self.decoder, self.max_waiting, self.prefill_chunk = engine, decoder, max_waiting, \
+                prefill_chunk
             engine._kept_steps = None  # kept again below while its graphs stay valid
             self.state = kept.state if reuse else self._empty_state(rows)
             if reuse:

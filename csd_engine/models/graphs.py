@@ -134,6 +134,7 @@ class GraphedRunner(Runner):
     eos_token_ids = _wrapped("eos_token_ids")
     attention_window = _wrapped("attention_window")
     cache_owner = _wrapped("cache_owner")
+    busy = _wrapped("busy")
     position_limit = _wrapped("position_limit")
 
     @property
@@ -143,6 +144,9 @@ class GraphedRunner(Runner):
     def allocate(self, batch: int, capacity: int) -> None:
         self.runner.allocate(batch, capacity)
         self._forget_graphs()
+
+    def holds(self, batch: int, capacity: int) -> bool:
+        return self.runner.holds(batch, capacity)
 
     def use_rows(self, batch: int) -> None:
         self.runner.use_rows(batch)

@@ -107,8 +107,9 @@ class Runner:
     # against 0.5B's 151936, one tokenizer): its logits get that many rows of -inf (it never
     # proposes them) and the target's ids past its own are fed as its last row (own_ids).
     vocab_pad: int = 0
-    # weakref to the Engine whose caches this runner holds (the last one built with it): a runner
-    # passed to a second Engine is that engine's from then on, and the first refuses to run it.
+    # Engines built over one runner take turns: `busy` (a threading.Lock) is held by the one
+    # generating, `cache_owner` (a weakref) names the engine the cache was last sized and set for.
+    busy = None
     cache_owner = None
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,10 @@ class Runner:
 
     def allocate(self, batch: int, capacity: int) -> None:
         raise NotImplementedError
+
+    def holds(self, batch: int, capacity: int) -> bool:
+        """Whether the allocated cache has `batch` rows of `capacity` slots (False: allocate)."""
+        return False
 
     def use_rows(self, batch: int) -> None:
         """Run on the first `batch` rows of the allocated cache from now on (a scheduler of

@@ -330,20 +330,26 @@ def test_a_scheduler_whose_step_raised_refuses_later_calls(models, name, failing
     assert [r.token_ids for r in engine.generate(prompts, params, strategy=strategy)] == expected
 
 
-def test_a_runner_passed_to_a_second_engine_is_refused_by_the_first(models):
-    """A runner serves the last Engine built with it (that engine reallocated its caches): the
-    first one refuses to run it by name instead of failing inside a kernel or decoding over the
-    other's caches; the second decodes as plain decoding does."""
+def test_engines_built_over_one_runner_take_turns(models):
+    """Engines sharing runners (the bench scripts' methods, an engine rebuilt with another batch
+    size) take turns: each gets its cache shape back when it runs again and decodes as plain
+    decoding does; while one generates, the others refuse (busy) instead of decoding over its
+    caches, and no engine is built over its runners."""
+    prompts, params = random_prompts(3, lo=2, hi=9, seed=4), SamplingParams(max_new_tokens=10)
+    plain = [r.token_ids for r in Engine(models["target"], max_batch_size=3, max_seq_len=64).generate(prompts, params)]
     first = Engine(models["target"], drafters=[models["d1"]], max_batch_size=3, max_seq_len=64)
     second = Engine(first.target, drafters=[first.drafters[0]], max_batch_size=1, max_seq_len=32)
-    with pytest.raises(RuntimeError, match="this engine's target runner was passed to another Engine since"):
-        first.generate([[1, 2, 3]])
-    plain = Engine(models["target"], max_batch_size=1, max_seq_len=32).generate([[1, 2, 3]])[0].token_ids
-    assert second.generate([[1, 2, 3]], strategy=STRATEGIES["speculative-model"][1])[0].token_ids == plain
-    third = Engine(models["target"], drafters=[second.drafters[0]], max_batch_size=1, max_seq_len=32)
-    with pytest.raises(RuntimeError, match="this engine's drafter 0 runner was passed to another Engine since"):
-        second.generate([[1, 2, 3]])
-    assert third.generate([[1, 2, 3]], strategy=STRATEGIES["speculative-model"][1])[0].token_ids == plain
+    speculative = STRATEGIES["speculative-model"][1]
+    for engine, batch in ((first, 3), (second, 1), (first, 3), (second, 1)):
+        assert [r.token_ids for r in engine.generate(prompts[:batch], params, strategy=speculative)] == plain[:batch]
+    stream = second.stream(prompts[:1], params, strategy=speculative)
+    next(stream)  # the second engine holds the runners until the stream ends
+    with pytest.raises(RuntimeError, match="the engine is busy.*also among engines built over the same runners"):
+        first.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="a runner passed to this engine is in use by another Engine's generate"):
+        Engine(first.target, max_batch_size=2, max_seq_len=16)
+    stream.close()
+    assert [r.token_ids for r in first.generate(prompts, params, strategy=speculative)] == plain
 
 
 def test_a_strategy_without_a_decoder_protocol_is_refused_clearly(models):
