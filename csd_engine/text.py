@@ -10,6 +10,7 @@ Deltas handed out also hold back the last `len(longest stop) - 1` characters, wh
 start of a stop string, so the deltas, concatenated, are exactly the final text.
 """
 import codecs
+import os
 import re
 
 REPLACEMENT = "\ufffd"
@@ -63,23 +64,25 @@ class IncrementalText:
 
     def stop_at(self, ids: list[int]) -> int | None:
         """If the settled text now holds a stop string: return how many tokens to keep and cut the
-        text before the first stop string, as token-by-token decoding would. The tokens end with
-        the first whose text holds, as the settled text does, the stop string that ends first
-        (not a match on a character still incomplete there); the cut is at the first stop string
-        ending there (one that a later token would complete, starting earlier, was never reached)."""
+        text before the first stop string in their text, as token-by-token decoding would. They
+        end with the first token whose text holds, as the settled text does, the stop string that
+        ends first (not a match on a character still incomplete there); a stop string that only a
+        later token completes, even one starting earlier, was never reached."""
         if not self.stop:
             return None
         start, self.searched = max(0, self.searched - self.hold), len(self.text)
-        found = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
-        if not found:
+        ends = [i + len(s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not ends:
             return None
-        end = min(e for _, e in found)
-        reached = self.text[:end]
+        reached = self.text[:min(ends)]
         base, prefix, read = self.last  # the text and window before this update
         context = self.decode(ids[prefix:read])
-        keep = next((n for n in range(read + 1, len(ids) + 1)
-                     if (self.text[:base] + self.decode(ids[prefix:n])[len(context):]).startswith(reached)), len(ids))
-        self.text = self.text[:min(i for i, e in found if e == end)]
+        for keep in range(read + 1, len(ids) + 1):
+            text = self.text[:base] + self.decode(ids[prefix:keep])[len(context):]
+            if text.startswith(reached):
+                break
+        kept = self.text[:len(os.path.commonprefix([text, self.text]))]  # the kept tokens' text, settled
+        self.text = kept[:min(i for i in (kept.find(s, start) for s in self.stop) if i >= 0)]
         return keep
 
     def delta(self, final: bool) -> str:

@@ -196,3 +196,19 @@ def test_a_stop_string_holding_u_fffd_is_not_matched_on_an_unfinished_character(
     for steps in ([1] * 7, [7], [2, 5], [3, 4]):
         out, joined, final = run(tokens, steps, stop=("\ufffd",), tokenizer=ReplacementTokenizer())
         assert (out, joined, final) == ([1, 2, 3, 1, 0], "aéa", "aéa"), steps
+
+
+class WordTokenizer:
+    """Multi-character tokens: 0 'x', 1 'abc', 2 'd'."""
+
+    pieces = ["x", "abc", "d"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[t] for t in ids)
+
+
+def test_a_token_completing_two_stop_strings_cuts_before_the_first_to_start():
+    """'abc' completes both 'b' and 'abc': the text is cut before 'abc', which starts first, in any
+    steps (the stop string that ends first decides only which tokens are kept)."""
+    for steps in ([1, 1, 1], [3], [2, 1]):
+        assert run([0, 1, 2], steps, stop=("b", "abc"), tokenizer=WordTokenizer()) == ([0, 1], "x", "x"), steps
