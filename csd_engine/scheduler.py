@@ -418,7 +418,7 @@ class Scheduler:
             bad = host.failed_models(row)
             if bad:
                 request.finish, request.error = "error", engine._nonfinite_message(bad, [request.id])
-                request.failed_models = bad
+                request.failed_models, request.done_s = bad, now - request.arrival
             else:
                 tokens = host.tokens(row)
                 self.committed[row] += len(tokens)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from csd_engine.models.runner import ForwardBatch, Runner
-from csd_engine.ops import ROOT, build_tree_mask
+from csd_engine.ops import PADDING, ROOT, build_tree_mask
 from csd_engine.strategies.base import (TARGET_STREAM, DecodeState, Models, StepOutput, catch_up_tokens,
                                         emitted_block, emitted_logprobs, forward_tokens, logits_at)
 
@@ -103,7 +103,8 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     node indices [B, max_depth], -1 after it).
 
     draft_probs: None for deterministic children, else [B, N, V] (the q each node was drawn
-    from). drafted: [B] depth of each row's tree, for the metrics (default: from tree.depth).
+    from). drafted: [B] depth of each row's tree, for the metrics (default: its deepest node
+    that is not padding).
     The target's cache ends holding pending and the accepted path in contiguous slots; the
     random counters offset .. offset + max_depth are consumed. The caller commits the output."""
     target = models.target
@@ -125,7 +126,8 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
 
     state.offset += tree.max_depth + 1
     state.metrics.target_forwards += 1
-    drafted = tree.depth.max(dim=1).values if drafted is None else drafted  # drafted = tree depth
+    if drafted is None:  # drafted = the depth of the row's real nodes (not padding where a drafter proposed less)
+        drafted = torch.where(tree.parents != PADDING, tree.depth, 0).max(dim=1).values
     state.metrics.record(0, accepted, drafted, state.active, tree.max_depth)
     path_tokens = tokens.gather(1, path.clamp(min=0))
     emitted = emitted_block(path_tokens, accepted, result.next_token)

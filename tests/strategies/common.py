@@ -30,6 +30,7 @@ def assert_a_non_finite_request_fails_alone(engine: Engine, strategy, plain: lis
             done.update((out.request_id, out) for out in scheduler.step() if out.finished)
     assert done[bad].finish_reason == "error" and "non-finite logits" in done[bad].error
     assert done[bad].result.token_ids == []
+    assert done[bad].result.metrics.wall_time_s > 0  # its time runs to the step that failed it
     assert done[good].result.token_ids == plain and done[good].finish_reason == "length"
 
 

@@ -218,7 +218,7 @@ def test_bad_configurations_are_refused():
 
 def test_the_mag_chain_verifies_only_the_tokens_mag_proposed(pair, monkeypatch):
     """Where MaG proposes fewer than mag_tokens tokens, the chain's other nodes are padding
-    (parent -2), never verified."""
+    (parent -2), never verified nor counted as drafted."""
     target, draft_model = pair
     proposed, real = [], []
     propose, verify = staged.StagedDecoder._mag_stage, staged.verify_tree_and_commit
@@ -237,6 +237,11 @@ def test_the_mag_chain_verifies_only_the_tokens_mag_proposed(pair, monkeypatch):
     engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=12), strategy=Staged((2,), mag_tokens=3))
     assert any((p < 3).any() for p in proposed), "MaG always proposed a full chain: nothing padded"
     assert all(torch.equal(r, p) for r, p in zip(real, proposed))
+    # the metrics count as drafted the tree's depth and MaG's real nodes, not the padding
+    proposed.clear()
+    [result] = engine.generate(random_prompts(1, seed=4), SamplingParams(max_new_tokens=12),
+                               strategy=Staged((2,), mag_tokens=3))
+    assert result.metrics.drafted == sum(1 + int(p[0]) for p in proposed) < 4 * len(proposed)
 
 
 def test_each_tree_step_draws_from_fresh_random_counters(pair):
