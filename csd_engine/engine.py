@@ -157,7 +157,6 @@ class Engine:
         self.verifier = Verifier(choose_backend(verify_backend, self.device))
         self.fused_kernels = fused_kernels
         self.target, own_tokenizer = load_runner(target, self.device, dtype, native, attention_backend, fused_kernels)
-        self.target.vocab_pad = 0  # a runner passed in may have drafted for a larger vocabulary before
         self.cuda_graphs = cuda_graphs
         self.target = maybe_graphed(self.target, cuda_graphs)  # CUDA graphs: native runner on a GPU only
         self.tokenizer = tokenizer or own_tokenizer
@@ -178,7 +177,7 @@ class Engine:
             raise RuntimeError("a runner passed to this engine is in use by another Engine's generate or scheduler: "
                                "build this one once that has ended")
         try:
-            self._allocate_caches()
+            self._claim_runners()
         finally:
             self._release()
         # On the CPU the target verifies only up to the longest real draft: one host read per
@@ -226,7 +225,6 @@ class Engine:
                                  f"({self.target.vocab_size}): drafter and target must share a tokenizer (a "
                                  f"smaller drafter vocabulary is taken where the target's rows past it are padding, "
                                  f"its tokenizer's tokens all below {runner.vocab_size}; {known})")
-        runner.vocab_pad = self.target.vocab_size - runner.vocab_size  # 0 too: a runner passed in may hold another
         return runner
 
     def _allocate_caches(self) -> None:
@@ -251,7 +249,7 @@ class Engine:
                     raise
                 raise MemoryError(self._too_big([(which, runner, size)], f"too much for {runner.device}")) from None
             runner.cache_owner = weakref.ref(self)
-        self._kept_steps = None
+        self._kept_steps = None  # captured over the caches just replaced
 
     def _too_big(self, caches: list, why: str) -> str:
         total = sum(size for _, _, size in caches) / 2 ** 30
@@ -272,11 +270,15 @@ class Engine:
                                  "native=True (Llama / Qwen2 / Mistral architectures)")
             native.make_batch_invariant()
 
+    def _locks(self) -> list:
+        """The engine's lock and its runners' (one per runner, shared with every engine built over it)."""
+        return [self._busy] + list({id(r.busy): r.busy for r in self.models()}.values())
+
     def _acquire(self) -> bool:
-        """Take the engine's lock and its runners' (shared with engines built over the same runners,
-        so that one of them generates at a time); False, holding none, where one is taken."""
+        """Take `_locks()`, so that one engine over these runners generates at a time; False,
+        holding none, where one is taken."""
         held = []
-        for lock in [self._busy] + list({id(r.busy): r.busy for r in self.models()}.values()):
+        for lock in self._locks():
             if not lock.acquire(blocking=False):
                 for taken in held:
                     taken.release()
@@ -285,22 +287,20 @@ class Engine:
         return True
 
     def _release(self) -> None:
-        for lock in [self._busy] + list({id(r.busy): r.busy for r in self.models()}.values()):
+        for lock in self._locks():
             lock.release()
 
     def _claim_runners(self) -> None:
-        """Make the runners this engine's again where another Engine built over one of them ran
-        since (the caller holds their locks): the cache sized for this engine (reallocated only
-        where its shape differs), this engine's vocabulary padding, and no kept step graphs,
-        which were captured over the tensors the other engine replaced."""
+        """Set the runners up for this engine (the caller holds their locks), where it is new or
+        another Engine built over one of them ran since: fresh caches of this engine's shape (a
+        graphed runner's graphs and this engine's kept step graphs go with the old ones), and
+        every time, its vocabulary padding (the outermost runner pads, see GraphedRunner)."""
+        if any(r.cache_owner is None or r.cache_owner() is not self for r in self.models()):
+            self._allocate_caches()
         for runner in self.models():
-            if runner.cache_owner is not None and runner.cache_owner() is self:
-                continue
-            if not runner.holds(self.max_batch_size, self.capacity):
-                runner.allocate(self.max_batch_size, self.capacity)
             runner.vocab_pad = self.target.vocab_size - runner.vocab_size
-            runner.cache_owner = weakref.ref(self)
-            self._kept_steps = None
+            if getattr(runner, "runner", None) is not None:  # a GraphedRunner's wrapped runner
+                runner.runner.vocab_pad = 0
 
     def __reduce__(self):
         raise TypeError("an Engine holds loaded models and their caches and cannot be pickled or copied: build one "

@@ -243,7 +243,7 @@ class Scheduler:
         # closed explicitly, or when garbage-collected: a dropped scheduler does not keep the engine busy
         self._release = weakref.finalize(self, _release_engine, engine)
         self.closed = False
-        self.failed: BaseException | None = None  # what a step raised: its state is unknown from then on
+        self.failed: str | None = None  # what a step raised (no traceback kept: its frames hold the scheduler)
         try:
             engine._claim_runners()
             kept = engine._kept_steps
@@ -374,7 +374,7 @@ class Scheduler:
         if self.closed:
             raise RuntimeError("this scheduler is closed")
         if self.failed is not None:
-            raise RuntimeError(f"a step of this scheduler raised {type(self.failed).__name__}({self.failed}), which "
+            raise RuntimeError(f"a step of this scheduler raised {self.failed}, which "
                                "left its requests and caches part-way through a step: close it and open a new one "
                                "(engine.scheduler(...)); the engine itself is fine")
 
@@ -382,7 +382,7 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one decoding step, and return every request's increment.
         A step that raises (Ctrl-C included) may stop between the device's work and its
-        bookkeeping, so the scheduler refuses every later call; the next one starts clean."""
+        bookkeeping, so the scheduler refuses later steps and requests; the next one starts clean."""
         self._check_open()
         if torch.get_default_dtype() != torch.float32:  # integer division, ones(...): float32 by default only
             raise RuntimeError(f"torch's default dtype is {torch.get_default_dtype()} (torch.set_default_dtype), but "
@@ -392,7 +392,7 @@ class Scheduler:
             try:
                 return self._step()
             except BaseException as error:  # Ctrl-C or an error mid-step: device and host records disagree
-                self.failed = error
+                self.failed = f"{type(error).__name__}({error})"
                 raise
 
     def _step(self) -> list[RequestOutput]:

@@ -32,8 +32,9 @@ print(json.dumps({"version": csd_engine.__version__, "typed": (package / "py.typ
 """
 
 CHECKOUT_SCRIPT = """
-import json
+import json, pkgutil
 import csd_engine, csd_engine.kernels.attention, csd_engine.ops
+assert {m.name for m in pkgutil.iter_modules(csd_engine.__path__)}.isdisjoint({"setup", "bench", "tests"})
 print(json.dumps({"package": csd_engine.__file__, "kernels": csd_engine.kernels.attention.__file__,
                   "extension": csd_engine.ops.HAS_EXTENSION, "not built": "not built" in csd_engine.ops._MISSING_REASON}))
 """

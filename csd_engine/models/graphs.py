@@ -145,9 +145,6 @@ class GraphedRunner(Runner):
         self.runner.allocate(batch, capacity)
         self._forget_graphs()
 
-    def holds(self, batch: int, capacity: int) -> bool:
-        return self.runner.holds(batch, capacity)
-
     def use_rows(self, batch: int) -> None:
         self.runner.use_rows(batch)
 

@@ -195,10 +195,6 @@ class LlamaRunner(Runner):
                                            self.head_dim, self.dtype, self.device)
         self.cache = self.full_cache
 
-    def holds(self, batch: int, capacity: int) -> bool:
-        full = getattr(self, "full_cache", None)
-        return full is not None and (full.batch, full.capacity) == (batch, capacity)
-
     def use_rows(self, batch: int) -> None:
         self.cache = self.full_cache.rows(batch)
 

@@ -468,6 +468,12 @@ def test_a_padded_drafter_behind_a_graphed_runner_and_runners_passed_again():
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
     assert len(again.generate([[1, 2, 3]], sampled, strategy=Speculative(k=3))[0].token_ids) == 6
     assert Engine(graphed, max_batch_size=1, max_seq_len=32).target.vocab_pad == 0
+    # engines over one padded drafter, plain and wrapped, take turns: each sets its own padding again
+    plain_engine = Engine(target, drafters=[drafter], max_batch_size=2, max_seq_len=48,
+                          tokenizer=PaddedVocabularyTokenizer())
+    for turn in (plain_engine, engine, plain_engine, engine):
+        assert [r.token_ids for r in turn.generate(prompts, params, strategy=Speculative(k=3))] == \
+            [r.token_ids for r in turn.generate(prompts, params, strategy=Autoregressive())], turn
     a, b = load_runner(small, "cpu", torch.float32)[0], load_runner(perturbed(small, 0.1), "cpu", torch.float32)[0]
     Engine(small, drafters=[a, a, b], max_batch_size=1, max_seq_len=32)
     assert b.cache is not None

@@ -57,7 +57,8 @@ def test_greedy_with_mag_second_stage(pair, engine_has_mag):
     own_mag = strategy.decoder(engine).mag
     assert (own_mag is engine.drafters[1]) if engine_has_mag else own_mag is not None  # the engine's MaG if any
     for r in out:
-        assert r.metrics.drafted == 5 * r.metrics.target_forwards  # drafter depth 2 + 3 MaG nodes
+        # drafter depth 2 + the MaG nodes it proposed (at most 3; counted exactly in test_the_mag_chain_...)
+        assert 2 * r.metrics.target_forwards <= r.metrics.drafted <= 5 * r.metrics.target_forwards
 
 
 def test_greedy_generic_runner_with_and_without_mag():
