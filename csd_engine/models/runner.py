@@ -119,6 +119,7 @@ class Runner:
 
     def allocate(self, batch: int, capacity: int) -> None:
         raise NotImplementedError
+
     def use_rows(self, batch: int) -> None:
         """Run on the first `batch` rows of the allocated cache from now on (a scheduler of
         fewer rows than the engine's max_batch_size); the caller then resets their lengths."""
