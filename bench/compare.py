@@ -1,18 +1,22 @@
-"""Decoding methods side by side on one target/drafter pair: greedy, batch 1, the same
-chat-templated prompts of every category (bench/prompts.json), methods interleaved.
+"""Decoding methods side by side on one target/drafter pair: batch 1, the same chat-templated
+prompts of every category (bench/prompts.json), methods interleaved; greedy, or sampled at
+--temperature (with --top-k / --top-p) where every method samples alike.
 
     python bench/compare.py                                  # Qwen2.5-Coder 1.5B <- 0.5B, bf16, every prompt
     python bench/compare.py --per-category 1 --methods hf,hf-assisted,ar,cascade
     python bench/compare.py --prompts 5 --max-new-tokens 64 --rounds 1 --profile   # the 2026-11-22 runs (docs/)
     python bench/compare.py --dry-run                        # tiny random models: proves it runs, in seconds
+    python bench/compare.py --temperature 0.7 --top-p 0.9    # sampled: what a chat service sends
 
 Each round decodes every prompt with every method, in an order that rotates from one prompt
 (and round) to the next, so a slow spell of the machine falls on all methods alike; per prompt
 the median time over the rounds is kept. Tables, overall and per category: tokens/s (tokens
 over seconds, summed over the prompts), the min-max of the rounds' tokens/s, the speedup over
 transformers' plain `generate`, mean accepted tokens per target forward, and how many outputs
-equal transformers' greedy output. The JSON (rewritten after every round; per prompt, per
-category, overall, acceptance by draft position) and its pictures go to bench/results/.
+equal transformers' greedy output (greedy runs only: sampled outputs are equal in distribution,
+not token for token; every method samples with --seed, so each round draws the same tokens).
+The JSON (rewritten after every round; per prompt, per category, overall, acceptance by draft
+position) and its pictures go to bench/results/.
 To add a method, add a line to METHODS. A method key may carry its own settings, so that
 configurations run side by side in one interleaved run, e.g.
     --methods 'ar,cascade-int4,cascade-int4:K=[[3,4],[0,4]]:l=3,cascade-int4:K=[[4,8],[0,4]]:m=6'
@@ -74,18 +78,29 @@ class Setup:
         return self._engine(self.engine.target, ["mag"])
 
 
+def sampling(args) -> dict:
+    """--temperature / --top-k / --top-p / --seed as SamplingParams' arguments (greedy: none)."""
+    if not args.temperature:
+        return {}
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
 @dataclass
 class Transformers:
-    """transformers' greedy `generate` on the target, with extra generate arguments."""
+    """transformers' `generate` on the target, with extra generate arguments: greedy, or sampled
+    at the run's temperature / top-k / top-p (torch's generator seeded with --seed first)."""
     setup: Setup
     extra: dict = field(default_factory=dict)
 
     def __call__(self, ids: list[int], max_new_tokens: int):
         x = torch.tensor([ids])
+        settings = sampling(self.setup.args)
+        if settings:
+            torch.manual_seed(settings.pop("seed"))
         with torch.inference_mode():
             out = self.setup.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                             do_sample=False, eos_token_id=None,
-                                             pad_token_id=self.setup.tokenizer.pad_token_id, **self.extra)
+                                             do_sample=bool(settings), eos_token_id=None,
+                                             pad_token_id=self.setup.tokenizer.pad_token_id, **settings, **self.extra)
         return out[0, len(ids):].tolist(), None
 
 
@@ -94,9 +109,10 @@ class EngineMethod:
     """csd_engine's generate with one strategy."""
     engine: csd_engine.Engine
     strategy: object
+    settings: dict = field(default_factory=dict)  # sampling(args): temperature, top_k, top_p, seed
 
     def __call__(self, ids: list[int], max_new_tokens: int):
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **self.settings)
         result = self.engine.generate([ids], params, strategy=self.strategy)[0]
         return result.token_ids, result.metrics
 
@@ -121,7 +137,7 @@ class OnEngine:
     def __call__(self, setup: Setup, args) -> EngineMethod:
         engine = (setup.engine_mag if self.mag_only else setup.engine if self.scheme is None
                   else setup.engine_quantized(self.scheme))
-        return EngineMethod(engine, self.build(args))
+        return EngineMethod(engine, self.build(args), sampling(args))
 
 
 def k_cascade(scheme: str | None = None, tree: bool = False) -> OnEngine:
@@ -279,11 +295,30 @@ def parse_args(argv=None):
     ap.add_argument("--model-cost", type=float, default=None,
                     help="the self-tuning strategies' drafter cost, x a target forward (default: their own, "
                          "csd_engine.strategies.budget.cost_ratio)")
+    ap.add_argument("--temperature", type=harness.non_negative_float, default=0.0,
+                    help="sampling temperature of every method; 0: greedy, outputs compared token for token "
+                         "(default 0)")
+    ap.add_argument("--top-k", type=harness.non_negative_int, default=0,
+                    help="with --temperature: keep the k likeliest tokens; 0: off (default 0)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="with --temperature: keep the smallest set of likeliest tokens holding this much "
+                         "probability, in (0, 1]; 1: off (default 1)")
+    ap.add_argument("--seed", type=harness.non_negative_int, default=0,
+                    help="with --temperature: the seed every method samples with, on every prompt and round "
+                         "(default 0)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed rounds, one instrumented run per csd_engine method on the first prompt: "
                          "time per target step in the target, drafters, verification, MaG and the rest (skipped "
                          "with a warning if the engine's internals no longer fit bench.common.instrumented)")
     args = ap.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p:g}")
+    if not args.temperature and (args.top_k or args.top_p < 1):
+        ap.error("--top-k and --top-p filter sampled tokens: give a --temperature > 0 with them")
+    try:
+        SamplingParams(**sampling(args))
+    except ValueError as exc:
+        ap.error(str(exc))
     try:
         keys = split_methods(args.methods)
     except ValueError as exc:
@@ -333,14 +368,17 @@ def main(argv=None):
                     run.update(tokens=len(tokens), output=tokens, **metrics_of(metrics))
                 progress.step(f"round {round_ + 1}, prompt {i + 1}/{len(prompts)} [{prompt['category']}] "
                               f"{labels[key]}: {len(tokens) / seconds:.2f} tokens/s")
-            if round_ == 0:
+            if round_ == 0 and not args.temperature:
                 runs[i]["reference"] = (runs[i]["hf"]["output"] if "hf" in runs[i]
                                         else Transformers(setup)(ids, args.max_new_tokens)[0])
         summary = summarize(prompts, encoded, runs, methods, labels)
         harness.write_record(path, {"rounds_done": round_ + 1, "methods": labels, **summary}, args)
 
     models = "tiny random models (dry run)" if args.dry_run else f"{args.target} <- {args.drafter}"
-    print(f"\n{models}, {args.dtype}, greedy, batch 1, {len(prompts)} prompts x "
+    decoding = "greedy" if not args.temperature else ", ".join(
+        f"{name} {value:g}" for name, value in sampling(args).items()
+        if (name, value) not in (("top_k", 0), ("top_p", 1.0)))
+    print(f"\n{models}, {args.dtype}, {decoding}, batch 1, {len(prompts)} prompts x "
           f"{args.max_new_tokens} new tokens, median of {args.rounds} rounds per prompt")
     print_tables(summary, methods, labels)
     profile = []
@@ -367,13 +405,15 @@ def summarize(prompts, encoded, runs, methods, labels) -> dict:
     per_prompt = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         row = {"index": i, "category": prompt["category"], "prompt_tokens": len(ids)}
+        greedy = "reference" in runs[i]  # sampled runs keep none
         for key in methods:
             run = runs[i][key]
             row[key] = {"tokens": run["tokens"], "seconds": run["seconds"],
                         "tokens_per_s": run["tokens"] / statistics.median(run["seconds"]),
-                        "identical": run["output"] == runs[i]["reference"],
-                        # csd's own plain decoding: what a lossless greedy method must reproduce
-                        "same_as_ar": run["output"] == runs[i]["ar"]["output"] if "ar" in runs[i] else None,
+                        # greedy runs: transformers' greedy output; csd's own plain decoding, what a
+                        # lossless greedy method must reproduce (sampled runs: None, equal in distribution)
+                        "identical": run["output"] == runs[i]["reference"] if greedy else None,
+                        "same_as_ar": run["output"] == runs[i]["ar"]["output"] if greedy and "ar" in runs[i] else None,
                         "mean_accepted": (run["tokens"] / run["target_forwards"]
                                           if run.get("target_forwards") else None),
                         "acceptance_by_position": run.get("acceptance_by_position")}
@@ -400,7 +440,8 @@ def aggregate(rows: list[dict], runs, methods) -> dict:
         out[key] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                     "min_tokens_per_s": min(by_round), "max_tokens_per_s": max(by_round),
                     "mean_accepted": tokens / sum(forwards) if all(forwards) else None,
-                    "identical": f"{sum(c['identical'] for c in cells)}/{len(cells)}",
+                    "identical": (f"{sum(c['identical'] for c in cells)}/{len(cells)}"
+                                  if all(c["identical"] is not None for c in cells) else None),
                     "same_as_ar": (f"{sum(c['same_as_ar'] for c in cells)}/{len(cells)}"
                                    if all(c.get("same_as_ar") is not None for c in cells) else None),
                     "acceptance_by_position": mean_by_position(positions)}

@@ -48,15 +48,24 @@ SEQ_MARGIN = 64  # cache slots past the longest prompt + max_new_tokens (a specu
 
 
 # -- argparse types -------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    """argparse type of a count (prompts, tokens, repeats, threads): an int >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (prompts, tokens, repeats, threads): an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of a seed or an optional count (0: off): an int >= 0."""
+    return _int_at_least(text, 0)
 
 
 def non_negative_float(text: str) -> float:

@@ -64,6 +64,20 @@ def test_shared_options_are_checked_while_parsing(argv, message, capsys):
     assert message in refused(capsys, compare.parse_args, *argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--top-k", "20"], "--top-k and --top-p filter sampled tokens: give a --temperature > 0 with them"),
+    (["--top-p", "0.9"], "--top-k and --top-p filter sampled tokens: give a --temperature > 0 with them"),
+    (["--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1], got 0"),
+    (["--temperature", "0.7", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: expected a finite number >= 0, got '-1'"),
+    (["--temperature", "1e-9"], "temperature must be 0 (greedy) or a finite number >= 1e-06"),
+    (["--temperature", "0.7", "--top-k", "-3"], "argument --top-k: expected an int >= 0, got -3"),
+    (["--temperature", "0.7", "--seed", "x"], "argument --seed: expected an int >= 0, got 'x'"),
+])
+def test_compare_checks_its_sampling_settings_while_parsing(argv, message, capsys):
+    assert message in refused(capsys, compare.parse_args, *argv)
+
+
 def test_out_must_be_a_folder(tmp_path, capsys):
     taken = tmp_path / "a-file"
     taken.write_text("")

@@ -124,7 +124,13 @@ def test_compare_summary_keeps_the_median_and_sums_tokens_over_seconds():
     assert summary["overall"]["ar"]["mean_accepted"] == pytest.approx(2.0)
     assert summary["overall"]["ar"]["acceptance_by_position"] == [1.0, 0.5]
     assert summary["overall"]["hf"]["identical"] == "3/3"
+    assert summary["overall"]["hf"]["same_as_ar"] == "0/3"  # hf's output [i] against ar's [i]: equal, yet...
     assert [row["key"] for row in summary["rows"]] == ["hf", "ar"]
+    sampled = compare.summarize(prompts, encoded, [{k: v for k, v in run.items() if k != "reference"} for run in runs],
+                                ["hf", "ar"], {"hf": "HF", "ar": "AR"})  # a sampled run keeps no greedy reference
+    assert all(sampled["overall"][key]["identical"] is None and sampled["overall"][key]["same_as_ar"] is None
+               for key in ("hf", "ar"))
+    assert sampled["overall"]["ar"]["tokens_per_s"] == summary["overall"]["ar"]["tokens_per_s"]
 
 
 def test_every_compare_method_has_a_label_and_a_factory():
@@ -195,3 +201,24 @@ def test_profile_warns_and_undoes_its_patches_when_the_engine_internals_changed(
     assert "warning: no profile for AR" in capsys.readouterr().err
     for obj in (engine.target, engine.drafters[0], engine.verifier):
         assert not {"forward", "chain", "tree"} & set(vars(obj)), "every patch is undone"
+
+
+def test_compare_samples_every_method_alike_and_reproducibly():
+    """With --temperature, transformers' and csd_engine's methods both sample (their tokens differ
+    from their greedy ones) and draw the same tokens on every call (each round times the same work)."""
+    sampled = compare.parse_args(["--dry-run", "--temperature", "1.5", "--seed", "3", "--methods", "hf,ar"])
+    greedy = compare.parse_args(["--dry-run", "--methods", "hf,ar"])
+    tokenizer, target, drafter = harness.load_pair(sampled)
+    ids = list(range(5, 37))
+    outputs = {}
+    for name, args in (("sampled", sampled), ("greedy", greedy)):
+        setup = compare.Setup(args, tokenizer, target, drafter, max_seq_len=128)
+        for key in ("hf", "ar"):
+            name_, own = compare.method_args(args, key)
+            method = compare.METHODS[name_][1](setup, own)
+            outputs[name, key] = [method(ids, 24)[0] for _ in range(2)]
+    for key in ("hf", "ar"):
+        first, again = outputs["sampled", key]
+        assert first == again, f"{key}: a seeded sampled run drew other tokens the second time"
+        assert first != outputs["greedy", key][0], f"{key}: sampled at temperature 1.5 but decoded greedily"
+        assert outputs["greedy", key][0] == outputs["greedy", key][1]
