@@ -3,7 +3,8 @@
 It is the compatibility path (GPT-2, or architectures the native runner lacks), not the fast
 one: each row keeps a transformers `DynamicCache`, cropped to the row's committed length
 before every forward (rollback), and rows run one after another because the caches have
-different lengths. Trees work through a 4-D attention mask.
+different lengths. Trees work through a 4-D attention mask where the model's attention depends
+on a token's position only through `position_ids` (`tree_limit` says why not otherwise).
 """
 import torch
 from transformers import DynamicCache
@@ -49,6 +50,7 @@ class HFRunner(Runner):
         self.position_limit = position_limit(hf_model)
         self.caches: list[DynamicCache] = []
         self._check_forwards()
+        self.tree_limit = self._tree_limit()
 
     @torch.inference_mode()
     def _check_forwards(self) -> None:
@@ -57,8 +59,10 @@ class HFRunner(Runner):
         positions): the forward must run; the first token's logits must not depend on the tokens
         after it (the mask is taken as causal masking, in any dtype); and in float32, where
         rounding cannot hide a difference, its logits must be those of three one-token forwards
-        over the cache. Architectures without a KV cache, or that read the mask otherwise, fail
-        here instead of decoding wrongly."""
+        over the cache; and after the cache is cropped back to two tokens (a rejected draft's
+        rollback), the third token's logits must be what they were. Architectures without a KV
+        cache, with state a crop cannot roll back (recurrent or convolution layers), or that read
+        the mask otherwise, fail here instead of decoding wrongly."""
         name = f"model_type {getattr(self.model.config, 'model_type', type(self.model).__name__)!r}"
         ids = (torch.arange(1, 4, device=self.device) % self.vocab_size)[None]
         changed = torch.cat([ids[:, :1], (ids[:, 1:] + 3) % self.vocab_size], 1)  # the same first token only
@@ -72,7 +76,10 @@ class HFRunner(Runner):
             steps = torch.cat([self._forward_from(cache, ids[:, i:i + 1], i) for i in range(3)], 1)
         except Exception as exc:
             raise ValueError(f"{name} cannot run on csd_engine's generic runner: a forward over a cached prefix "
-                             f"with a 4-D attention mask failed ({type(exc).__name__}: {exc})") from exc
+                             f"with explicit positions and a 4-D additive attention mask failed "
+                             f"({type(exc).__name__}: {exc}); it runs models whose attention takes those (most "
+                             "decoders with rotary or learned positions), not attention biases built in the model "
+                             "(ALiBi) or state-space layers") from exc
         tolerance = 1e-3 * (1.0 + float(steps.abs().max()))
         leak = float((whole[:, 0] - later[:, 0]).abs().max())
         if not leak <= tolerance:  # NaN fails too
@@ -83,6 +90,57 @@ class HFRunner(Runner):
         if self.model.dtype == torch.float32 and not error <= tolerance:
             raise ValueError(f"{name} cannot run on csd_engine's generic runner exactly: one three-token forward "
                              f"gives other logits than three one-token forwards over its cache (by {error:.3g})")
+        try:
+            cache.crop(-1)
+            again = self._forward_from(cache, ids[:, 2:], 2)
+        except Exception as exc:
+            raise ValueError(f"{name} cannot run on csd_engine's generic runner: its cache cannot be cut back to a "
+                             f"shorter prefix, which every rejected draft needs (a layer that keeps a recurrent or "
+                             f"convolution state? {type(exc).__name__}: {exc})") from exc
+        moved = float((again - steps[:, 2:]).abs().max())
+        if not moved <= tolerance:
+            raise ValueError(f"{name} cannot run on csd_engine's generic runner exactly: after its cache is cut back "
+                             f"by one token, the token fed again gets other logits (by {moved:.3g}), so a rejected "
+                             "draft would leave state behind (a recurrent or convolution layer)")
+
+    @torch.inference_mode()
+    def _tree_limit(self) -> str | None:
+        """Why this model cannot verify token trees exactly (Staged, a cascade's top-level tree), or
+        None. A tree's node sits at a cache slot past its position (a sibling's slot), which the
+        model must not see: its attention may depend on position only through `position_ids`.
+        Refused: sliding-window or non-attention cache layers (tree compaction moves keys between
+        slots); a local window masked by slot (GPT-Neo's `window_size`); a model whose logits do
+        not move when a token's position does (ALiBi's slot-distance biases, MPT's: bit for bit,
+        so in any dtype); and, in float32 where rounding cannot hide it, a sibling whose logits
+        change when the two siblings of a tree swap slots."""
+        config = self.model.config
+        layers = DynamicCache(config=config).layers
+        if any(not isinstance(layer, DynamicLayer) or layer.is_sliding for layer in layers):
+            return "its cache has sliding-window or non-attention layers, whose keys tree compaction cannot move"
+        if getattr(config, "window_size", None) and "local" in (getattr(config, "attention_layers", None) or ()):
+            return (f"its local attention layers (window_size {config.window_size}) mask keys by cache slot, and a "
+                    "tree node's slot is not its position")
+        ids = (torch.arange(1, 6, device=self.device) % self.vocab_size)[None]
+        moved = [self._forward_from(DynamicCache(config=config), ids[:, :3], 0,
+                                    torch.tensor([[0, 1, last]], device=self.device))[0, 2] for last in (2, 3)]
+        if torch.equal(*moved):
+            return ("its logits do not change with a token's position_ids (positions come from cache slots, as with "
+                    "ALiBi), and a tree node's slot is not its position")
+        if self.model.dtype != torch.float32:
+            return None
+        sibling = []
+        for order in ((0, 1), (1, 0)):  # the siblings ids[3], ids[4] in either slot after their parent
+            cache = DynamicCache(config=config)
+            self._forward_from(cache, ids[:, :2], 0)
+            nodes = ids[:, [2, 3 + order[0], 3 + order[1]]]  # the parent, then the siblings
+            sees = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # each its parent and itself
+            logits = self._forward_from(cache, nodes, 2, torch.tensor([[2, 3, 3]], device=self.device), sees)
+            sibling.append(logits[0, 1 + order.index(0)])  # ids[3]'s logits, wherever it sat
+        gap = float((sibling[0] - sibling[1]).abs().max())
+        if not gap <= 1e-3 * (1.0 + float(sibling[0].abs().max())):
+            return (f"a tree node's logits depend on the cache slot it sits in, not only on its position (by {gap:.3g} "
+                    "when two siblings swap slots)")
+        return None
 
     def _forward_from(self, cache: DynamicCache, ids: torch.Tensor, start: int, positions: torch.Tensor | None = None,
                       new_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,7 +177,7 @@ class HFRunner(Runner):
                 self.caches[row] = DynamicCache(config=self.model.config)
             cache = self.caches[row]
             if cache.get_seq_length() > start:
-                cache.crop(start)
+                cache.crop(start - cache.get_seq_length())  # a count from the end: transformers deprecates lengths
             self.cache.lengths[row] = start
             if not ids.shape[1]:
                 continue

@@ -100,6 +100,8 @@ class Runner:
     attention_window: int | None = None
     # (positions, why): how many positions it computes as plain decoding does (position_limit), or None.
     position_limit: tuple[int, str] | None = None
+    # Why it cannot verify token trees exactly (the generic runner's HFRunner._tree_limit), or None.
+    tree_limit: str | None = None
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever
     # NaN or infinite. Accumulated without a host read; the engine reads it with each step's tokens.
     nonfinite_rows: torch.Tensor | None = None

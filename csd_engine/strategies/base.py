@@ -272,6 +272,16 @@ def require_one_device(models: Models, strategy: str) -> None:
                          "Pearl, whose two sides run concurrently")
 
 
+def require_trees(models: Models, strategy: str, drafters: tuple = ()) -> None:
+    """Strategies that verify token trees: the target (and the drafters at these indices, which
+    draft trees) must compute a tree's nodes as plain decoding would (Runner.tree_limit)."""
+    for role, runner in [("target", models.target)] + [(f"drafter {i}", models.drafters[i]) for i in drafters]:
+        if getattr(runner, "tree_limit", None):
+            raise ValueError(f"{strategy} checks token trees, which the engine's {role} cannot compute exactly: "
+                             f"{runner.tree_limit}; use a chain strategy with it (Speculative, Cascade without a "
+                             "tree, Pearl)")
+
+
 def catch_up_tokens(state: DecodeState, runner: Runner, max_behind: int, extra: torch.Tensor | None = None):
     """What `runner` has not cached yet, per row, right-padded: tokens[cache_len:committed],
     then `pending`, then the `extra` block ([B, e]) if given. `max_behind` is a host-known

@@ -46,7 +46,7 @@ from csd_engine.kernels.sampling import one_hot
 from csd_engine.models.runner import ForwardBatch
 from csd_engine.ops import PADDING, ROOT
 from csd_engine.strategies.base import (DecodeState, Decoder, Draft, Models, StepOutput, commit,
-                                        require_one_device, roll_back_drafters, verify_chain)
+                                        require_one_device, require_trees, roll_back_drafters, verify_chain)
 from csd_engine.strategies.cascade_plan import Level, Source, budgets_from_k, compile_plan, draft_bound
 from csd_engine.strategies.tree import TreeShape, verify_tree_and_commit
 
@@ -119,6 +119,8 @@ def check_tree_fits(tree: tuple, name: str, models: Models, neural: bool) -> Non
                          "tokens (MaG proposes one token per position)")
     if tree and max(tree) > models.target.vocab_size:
         raise ValueError(f"{name}={tree} asks for more candidates than the vocabulary has tokens")
+    if tree:
+        require_trees(models, name)
 
 
 @dataclass(frozen=True)

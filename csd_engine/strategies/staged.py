@@ -22,7 +22,7 @@ from csd_engine.checks import is_int
 from csd_engine.drafters.mag import MaG
 from csd_engine.ops import PADDING
 from csd_engine.strategies.base import (DecodeState, Decoder, Models, StepOutput, check_drafter_index, commit,
-                                        require_one_device)
+                                        require_one_device, require_trees)
 from csd_engine.strategies.tree import (TreeShape, branching_parents, first_child_path, grow_tree,
                                         verify_tree_and_commit, with_chain)
 
@@ -76,6 +76,7 @@ class Staged:
                              f"{self.draft_nodes + 1} tokens per forward, more than the cache's {models.capacity} "
                              "slots: fewer depths or children")
         require_one_device(models, "Staged")
+        require_trees(models, "Staged", drafters=(self.drafter,))
         return StagedDecoder(models, self)
 
 

@@ -292,6 +292,63 @@ def test_a_model_the_generic_runner_cannot_run_exactly_is_refused_at_load(monkey
         Engine(mpt, max_batch_size=1, max_seq_len=64)
 
 
+def test_a_model_whose_state_a_rollback_cannot_cut_is_refused_at_load():
+    """A hybrid model whose layers keep a convolution state (LFM2) decodes one prompt, but a
+    rejected draft (or a shorter neighbour's prefill) must cut its cache back: refused by name
+    when the engine is built, not with transformers' error in the middle of a generation."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    model = Lfm2ForCausalLM(Lfm2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                       layer_types=["conv", "full_attention"]))
+    with pytest.raises(ValueError, match="model_type 'lfm2' cannot run on csd_engine's generic runner: its cache "
+                                         "cannot be cut back to a shorter prefix"):
+        Engine(model, max_batch_size=2, max_seq_len=64)
+
+
+def test_tree_strategies_refuse_a_model_whose_attention_reads_the_cache_slot():
+    """A tree node sits at a cache slot past its position. MPT's ALiBi biases by slot distance and
+    GPT-Neo's local layers mask by slot, so their trees' tokens were not plain decoding's: the
+    tree strategies refuse them by name when they start (chain strategies stay exact), and the
+    engine serves on. So are sliding-window cache layers (Mistral's on the generic runner), whose keys
+    tree compaction cannot move. A model whose attention reads positions only (GPT-2) still runs trees."""
+    from transformers import (GPTNeoConfig, GPTNeoForCausalLM, MistralConfig, MistralForCausalLM, MptConfig,
+                              MptForCausalLM)
+
+    from csd_engine import Autoregressive, Cascade, Speculative, Staged
+    from tests.tiny_models import _finish, perturbed, tiny_gpt2
+
+    mpt = _finish(MptForCausalLM(MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
+                  seed=4, scale=1.5)
+    neo = _finish(GPTNeoForCausalLM(GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                                                 max_position_embeddings=512, window_size=16,
+                                                 attention_types=[[["global", "local"], 1]])), seed=4, scale=1.5)
+    mistral = _finish(MistralForCausalLM(MistralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=400, max_position_embeddings=512)), seed=3, scale=1.5)
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [3, 8]]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    trees = (Staged(branching=(2, 2, 1)), Cascade(k_matrix=[[2, 1], [0, 2]], lenience=2, mag_tokens=2, tree=(3, 2)),
+             Cascade.auto(tree=(3, 2)))
+    refusals = ((mpt, "do not change with a token.s position_ids"), (neo, "local attention layers .window_size 16."),
+                (mistral, "sliding-window or non-attention layers"))
+    for model, why in refusals:
+        engine = Engine(model, drafters=[perturbed(model, noise=0.1, seed=5), "mag"], max_batch_size=2,
+                        max_seq_len=64, verify_backend="torch", native=False)
+        plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+        for strategy in trees:
+            with pytest.raises(ValueError, match=f"checks token trees, which the engine's target cannot compute "
+                                                 f"exactly: .*{why}.*use a chain strategy"):
+                engine.generate(prompts, params, strategy=strategy)
+        assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=3))] == plain
+    gpt2 = tiny_gpt2()
+    engine = Engine(gpt2, drafters=[perturbed(gpt2, noise=0.1, seed=5)], max_batch_size=2, max_seq_len=64,
+                    verify_backend="torch")
+    assert engine.target.tree_limit is None
+    plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=Staged(branching=(2, 2, 1)))] == plain
+
+
 def test_a_model_passed_in_as_an_application_holds_it():
     """A model in training mode stays in it (the native runner copies what it runs); a generic
     runner's model switched back to training is run in eval (no dropout); a torch.compile'd model
