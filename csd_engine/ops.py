@@ -17,6 +17,7 @@ its reference, after one warning.
 import functools
 import importlib.util
 import os
+import sys
 import warnings
 
 import torch
@@ -81,6 +82,16 @@ def _warn_fallback(reason: str) -> None:
     warnings.warn(f"{reason}; using the slower PyTorch reference", RuntimeWarning, stacklevel=3)
 
 
+def caller_stacklevel() -> int:
+    """warnings.warn's stacklevel for the first frame outside csd_engine and torch (whose
+    decorators wrap the engine's methods): the line in the caller's code that the warning is about."""
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @functools.cache
 def warn_without_extension() -> None:
     """Once, when an engine is built on the CPU without csd_engine._C: its matmuls and layer ops
@@ -90,7 +101,7 @@ def warn_without_extension() -> None:
     if not HAS_EXTENSION:
         warnings.warn(f"{_MISSING_REASON}; the CPU engine runs PyTorch's ops instead of its kernels: slower, and in "
                       "bfloat16 greedy speculation equals plain decoding only with Engine(batch_invariant=True)",
-                      RuntimeWarning)
+                      RuntimeWarning, stacklevel=caller_stacklevel())
 
 
 def _check_parents_layout(parents: torch.Tensor) -> None:

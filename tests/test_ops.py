@@ -195,6 +195,7 @@ with warnings.catch_warnings(record=True) as caught:
     Engine(tiny_llama(), max_batch_size=1, max_seq_len=16)
 said = [w for w in caught if "PyTorch's ops instead of its kernels" in str(w.message)]
 assert len(said) == 1 and "batch_invariant=True" in str(said[0].message), caught
+assert said[0].filename == "<string>", said[0].filename  # the caller's line, not the engine's
 """
     result = subprocess.run([sys.executable, "-c", program], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120)
