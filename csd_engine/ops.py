@@ -79,7 +79,7 @@ if _HAS_CPU_LAYER_OPS and not _has_argument("csd_engine::decode_attention", "tre
 
 @functools.cache
 def _warn_fallback(reason: str) -> None:
-    warnings.warn(f"{reason}; using the slower PyTorch reference", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"{reason}; using the slower PyTorch reference", RuntimeWarning, stacklevel=caller_stacklevel())
 
 
 def caller_stacklevel() -> int:

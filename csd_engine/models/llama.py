@@ -105,7 +105,7 @@ class LlamaRunner(Runner):
             if quantize == "int8" and torch.device(device).type == "cuda":
                 warnings.warn("quantize='int8' on CUDA runs torch's one-thread-per-output int8 kernel: a forward "
                               "took 8.7-85x the bf16 one on an H100 (docs/measurements.md, GPU); 'int4' took 0.5x",
-                              stacklevel=2)
+                              stacklevel=ops.caller_stacklevel())
         reason = unsupported(cfg)
         if reason:
             raise ValueError(f"the native runner cannot run this model: {reason} (the generic runner can: native=False)")
