@@ -23,6 +23,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import csd_engine
+from csd_engine import kernels
 from csd_engine.kernels.tree_verify import PADDING
 
 try:
@@ -83,9 +85,9 @@ def _warn_fallback(reason: str) -> None:
 
 
 def caller_stacklevel() -> int:
-    """warnings.warn's stacklevel for the first frame outside csd_engine and torch (whose
-    decorators wrap the engine's methods): the line in the caller's code that the warning is about."""
-    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    """warnings.warn's stacklevel for the first frame outside csd_engine (its kernels included) and
+    torch (whose decorators wrap the engine's methods): the caller's line the warning is about."""
+    inside = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (csd_engine, kernels, torch))
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1
