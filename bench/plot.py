@@ -322,7 +322,13 @@ def title(data: dict, what: str) -> str:
     run = f"{pair}, {args.get('dtype', '?')}"
     if args.get("dry_run"):
         run = f"DRY RUN (tiny random models, numbers mean nothing), {args.get('dtype', '?')}"
-    return f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {hardware_name(data)}; {data.get('date', '')}"
+    sampled = ""
+    if args.get("temperature"):  # a sampled run (compare.py --temperature): a line of its own
+        sampled = f"\nsampled at temperature {args['temperature']:g}" + "".join(
+            f", {name} {args[key]:g}" for key, name, off in (("top_k", "top-k", 0), ("top_p", "top-p", 1.0))
+            if args.get(key, off) != off)
+    return (f"{what}\n{run}, {args.get('max_new_tokens', '?')} new tokens; {hardware_name(data)}; "
+            f"{data.get('date', '')}{sampled}")
 
 
 def hardware_name(data: dict) -> str:

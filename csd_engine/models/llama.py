@@ -40,7 +40,8 @@ from csd_engine.kernels.mask import attention_mask
 from csd_engine.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from csd_engine.kernels.rope import rope_and_cache, rope_tables, rotate
 from csd_engine.models.cache import KVCache
-from csd_engine.models.quant import QuantizedLinear, linear, parse_scheme, quantize_weight
+from csd_engine.models.quant import (TORCH_CPU_PACKED_SLOWDOWN, QuantizedLinear, linear, on_torch_cpu_ops, parse_scheme,
+                                      quantize_weight)
 from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -102,6 +103,12 @@ class LlamaRunner(Runner):
         cfg = hf_model.config
         if quantize is not None:
             parse_scheme(quantize)
+            if on_torch_cpu_ops(device, dtype):
+                bits, _ = parse_scheme(quantize)
+                warnings.warn(f"quantize={quantize!r} with {str(dtype).removeprefix('torch.')} activations on the CPU "
+                              "runs torch's packed matmuls, slower than the unquantized model (a Qwen 0.5B forward "
+                              f"took {TORCH_CPU_PACKED_SLOWDOWN[bits]:g}x its float32 one): quantized weights are "
+                              "for dtype=torch.bfloat16 there", stacklevel=ops.caller_stacklevel())
             if quantize == "int8" and torch.device(device).type == "cuda":
                 warnings.warn("quantize='int8' on CUDA runs torch's one-thread-per-output int8 kernel: a forward "
                               "took 8.7-85x the bf16 one on an H100 (docs/measurements.md, GPU); 'int4' took 0.5x",

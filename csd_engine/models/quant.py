@@ -24,7 +24,8 @@ What the ops accept (torch 2.13; CPU measured, CUDA read from aten/src/ATen/nati
        only, inner_k_tiles in {2, 4, 8} with K % (16 inner_k_tiles) == 0 (the largest is used), N % 8 == 0
        (same drafter: 0.50x bf16 at one token, 0.68x at 5, 0.89x at 8 rows, 2.9x at 40: dense_rows pays)
   All: x 2-D and contiguous (`QuantizedLinear` flattens the leading dims). fp32 activations work on
-  the CPU but are several times slower than bf16 at decode sizes: quantization is for bf16 models.
+  the CPU but are several times slower than the unquantized fp32 model at decode sizes
+  (TORCH_CPU_PACKED_SLOWDOWN; the runner warns): quantization is for bf16 models.
 
 Wide calls: the CPU ops handle one row after another, so their time grows with the rows while a
 dense bf16 matmul's stays nearly flat up to ~16 rows. `dense_rows=R` keeps the dequantized weight in the
@@ -52,6 +53,12 @@ DEFAULT_INT4_GROUP = 128
 INT4_GROUPS = (32, 64, 128, 256)
 SCHEMES = ("int8", "int4") + tuple(f"int4g{g}" for g in INT4_GROUPS)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A forward of a model quantized for float32 or float16 activations on the CPU, where its packed
+# matmuls are torch's own ops (csd_engine's kernels take bfloat16), against the same model unquantized
+# in that dtype: the Qwen 0.5B's one-token forward in float32, int4 3.65x and int8 1.67x (2-core
+# AVX-512 EPYC, 2026-12-01: bench/measured/forward-cost-qwen-0.5b-float32-quantized-cpu-2026-12-01.json;
+# 6.4x and 2.8x on one thread).
+TORCH_CPU_PACKED_SLOWDOWN = {4: 3.65, 8: 1.67}
 DRAFTER_DENSE_ROWS = 16  # where the int4 op (and with native bf16 the int8 kernel) falls behind bf16 for a
 # whole Qwen 0.5B forward on the CPU
 
@@ -68,6 +75,12 @@ def drafter_dense_rows(device, dtype: torch.dtype, scheme: str | None = None) ->
         return DRAFTER_DENSE_ROWS
     bits, group = parse_scheme(scheme) if scheme else (0, 0)
     return 4 if bits == 4 and group % 64 == 0 and int4_kernel_runs(device, dtype) else 2
+
+
+def on_torch_cpu_ops(device, dtype: torch.dtype) -> bool:
+    """Quantized weights for `dtype` activations run torch's packed CPU ops, several times slower
+    than the unquantized model (TORCH_CPU_PACKED_SLOWDOWN): float32 or float16 on the CPU."""
+    return torch.device(device).type == "cpu" and dtype != torch.bfloat16
 
 
 def parse_scheme(scheme: str) -> tuple[int, int | None]:

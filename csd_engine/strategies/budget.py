@@ -10,6 +10,7 @@ import torch
 
 from csd_engine import ops
 from csd_engine.checks import is_number
+from csd_engine.models.quant import TORCH_CPU_PACKED_SLOWDOWN, on_torch_cpu_ops, parse_scheme
 from csd_engine.strategies.base import Models
 
 
@@ -40,6 +41,16 @@ KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.0), (3, 1.07), (4, 1.13), (5, 1.36), (6, 1
 AVX512_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.1), (3, 1.1), (5, 1.12), (7, 1.49), (9, 1.65), (11, 1.85),
                              (13, 2.24), (17, 2.68))
 
+# A float32 target on the CPU whose weights stream from memory (torch's matmuls: a one-token forward
+# takes the matrix-vector path, every wider one the matrix-matrix path, which costs about twice as
+# much at any width up to 17): the Qwen 1.5B on a 2-core AVX-512 EPYC, 300 tokens of context,
+# median of 3, 2026-12-01 (bench/measured/forward-cost-qwen-1.5b-float32-cpu-2026-12-01.json).
+FLOAT32_CPU_WIDTH_COSTS = ((1, 1.0), (2, 2.15), (3, 3.04), (4, 2.09), (5, 2.24), (7, 2.98), (9, 2.64), (13, 2.44),
+                           (17, 2.71))
+# Weights past any CPU's last-level cache, which every forward streams from memory: below it (a
+# model of a few MB) a wide forward costs about what a one-token one does.
+STREAMED_WEIGHT_BYTES = 256 << 20
+
 
 def on_bf16_kernel(models: Models) -> bool:
     """The target's bf16 forwards run on csd_engine's CPU kernel on a CPU without native bf16 (where
@@ -58,12 +69,16 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
     the platform's: KERNEL_WIDTH_COSTS or AVX512_KERNEL_WIDTH_COSTS (interpolated, extended at its
-    last slope) where csd_engine's bf16 kernel runs the target, 1 + 0.02 (w - 1) elsewhere (torch's
-    bf16 matmul on the AVX-512 EPYC, bench/draft_policy.py's timing: 9 / 17 tokens 1.15-1.18 /
-    1.35-1.44x one, the line 1.16 / 1.32; a GPU's forward is flat far wider)."""
+    last slope) where csd_engine's bf16 kernel runs the target, FLOAT32_CPU_WIDTH_COSTS for a
+    float32 target on the CPU of STREAMED_WEIGHT_BYTES or more, 1 + 0.02 (w - 1) elsewhere (torch's bf16 matmul on the AVX-512
+    EPYC, bench/draft_policy.py's timing: 9 / 17 tokens 1.15-1.18 / 1.35-1.44x one, the line 1.16 /
+    1.32; a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
+    float32_cpu = (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.float32
+                   and (getattr(models.target, "weight_bytes", None) or 0) >= STREAMED_WEIGHT_BYTES)
     curve = KERNEL_WIDTH_COSTS if on_bf16_kernel(models) else \
-        AVX512_KERNEL_WIDTH_COSTS if on_kernel_with_native_bf16(models) else None
+        AVX512_KERNEL_WIDTH_COSTS if on_kernel_with_native_bf16(models) else \
+        FLOAT32_CPU_WIDTH_COSTS if float32_cpu else None
     if width_cost is None and curve is not None:
         x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*curve))
         i = (torch.searchsorted(x, w, right=True) - 1).clamp(0, len(x) - 2)
@@ -79,8 +94,13 @@ def cost_ratio(models: Models, drafter: int) -> float:
     weights). The ratio of parameter counts where a runner does not say its bytes, and where
     csd_engine's bf16 kernel runs the target: its kernels widen every weight to fp32 and cost
     more than their bytes (2-core AVX2 EPYC: the Qwen 0.5B's int8 one-token forward 0.31 of
-    the 1.5B's, its bytes 0.16; the parameter price is what the strategies were tuned with there)."""
+    the 1.5B's, its bytes 0.16; the parameter price is what the strategies were tuned with there).
+    A drafter quantized for float32 or float16 activations on the CPU runs torch's packed ops:
+    the parameter ratio times their measured slowdown (quant.TORCH_CPU_PACKED_SLOWDOWN)."""
     d, t = models.drafters[drafter], models.target
+    scheme = getattr(d, "quantize", None)
+    if scheme and on_torch_cpu_ops(d.device, d.dtype):
+        return d.num_params / t.num_params * TORCH_CPU_PACKED_SLOWDOWN[parse_scheme(scheme)[0]]
     if getattr(d, "weight_bytes", None) and getattr(t, "weight_bytes", None) and not on_bf16_kernel(models):
         return d.weight_bytes / t.weight_bytes
     return d.num_params / t.num_params

@@ -124,7 +124,7 @@ def test_compare_summary_keeps_the_median_and_sums_tokens_over_seconds():
     assert summary["overall"]["ar"]["mean_accepted"] == pytest.approx(2.0)
     assert summary["overall"]["ar"]["acceptance_by_position"] == [1.0, 0.5]
     assert summary["overall"]["hf"]["identical"] == "3/3"
-    assert summary["overall"]["hf"]["same_as_ar"] == "0/3"  # hf's output [i] against ar's [i]: equal, yet...
+    assert summary["overall"]["hf"]["same_as_ar"] == "3/3"  # both output [i] on prompt i
     assert [row["key"] for row in summary["rows"]] == ["hf", "ar"]
     sampled = compare.summarize(prompts, encoded, [{k: v for k, v in run.items() if k != "reference"} for run in runs],
                                 ["hf", "ar"], {"hf": "HF", "ar": "AR"})  # a sampled run keeps no greedy reference

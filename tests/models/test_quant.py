@@ -189,6 +189,35 @@ def test_a_quantized_drafter_is_priced_by_the_bytes_its_forward_streams(kernel, 
         assert budget.cost_ratio(models, 1) == early.weight_bytes / dense.weight_bytes < 1
 
 
+def test_a_drafter_quantized_for_float32_on_the_cpu_warns_and_is_priced_by_its_slow_ops(tmp_path):
+    """Quantized for float32 activations on the CPU, a drafter runs torch's packed ops, several
+    times slower than the float32 model itself (a Qwen 0.5B int4 forward 3.65x): the runner says so
+    when built, and the self-tuning strategies price it by that, so a drafter as large as its
+    target is never worth a draft (its bytes alone priced it at a third of one and drafted every
+    step, 4-6x slower than plain decoding). bfloat16 keeps the byte price and warns nothing."""
+    import warnings
+
+    from csd_engine import Cascade
+    from csd_engine.strategies import budget
+    from csd_engine.models.quant import TORCH_CPU_PACKED_SLOWDOWN
+    model = tiny_llama(seed=12)
+    model.save_pretrained(tmp_path / "tiny")
+    with pytest.warns(UserWarning, match="quantize='int4g32' with float32 activations on the CPU runs torch's packed "
+                                         "matmuls, slower than the unquantized model"):
+        engine = Engine(model, drafters=[f"{tmp_path / 'tiny'}:int4g32", "mag"], max_batch_size=1, max_seq_len=64)
+    models = engine._decoder_models()
+    assert budget.cost_ratio(models, 0) == pytest.approx(TORCH_CPU_PACKED_SLOWDOWN[4])
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = engine.generate([[5, 9, 2, 7]], params, strategy=Autoregressive())[0].token_ids
+    for strategy in (Speculative.auto(), Cascade.auto()):
+        result = engine.generate([[5, 9, 2, 7]], params, strategy=strategy)[0]
+        assert result.token_ids == plain and result.metrics.drafter_forwards[0] == 0, strategy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = LlamaRunner(model.to(torch.bfloat16), "cpu", torch.bfloat16, quantize="int4g32")
+    assert packed.weight_bytes < LlamaRunner(model, "cpu", torch.bfloat16).weight_bytes
+
+
 def test_graphed_quantized_runner_matches_the_eager_one():
     """GraphedRunner's static-buffer forward (off CUDA a plain call) over a quantized runner."""
     model = tiny_llama(seed=5)

@@ -642,6 +642,25 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
         Cascade.auto(width_cost=-0.1)
 
 
+def test_auto_prices_a_float32_target_that_streams_its_weights_by_the_float32_curve(models, monkeypatch):
+    """A float32 target on the CPU whose weights stream from memory pays about twice a one-token
+    forward for any wider one (torch's matrix-matrix path): the auto strategies price width by
+    budget.FLOAT32_CPU_WIDTH_COSTS there, and so at the prior rates draft nothing with a drafter a
+    third of its size; a model small enough for the caches keeps the near-flat default."""
+    from csd_engine.models.llama import LlamaRunner
+    from csd_engine.strategies import budget
+    target, d1, _ = models
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
+    decoder_models = engine._decoder_models()
+    assert Speculative.auto().decoder(decoder_models).width_costs[2] == pytest.approx(1.02)
+    monkeypatch.setattr(LlamaRunner, "weight_bytes", property(lambda self: budget.STREAMED_WEIGHT_BYTES))
+    costs = Speculative.auto(max_tokens=8).decoder(decoder_models).width_costs
+    assert costs.tolist() == pytest.approx([1, 1, 2.15, 3.04, 2.09, 2.24, 2.61, 2.98, 2.81, 2.64], abs=1e-4)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    result = engine.generate([[5, 9, 2, 7]], params, strategy=Speculative.auto(model_cost=0.33))[0]
+    assert result.metrics.drafter_forwards[0] == 0 and result.metrics.mean_accepted_tokens == 1.0
+
+
 def test_per_source_counts_stop_at_the_first_rejection():
     """record_sources: a source's tokens count as checked up to the first rejected slot of the row
     (the tokens after it were never judged), as accepted before it; inactive rows count nothing."""
