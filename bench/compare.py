@@ -156,37 +156,37 @@ def self_tuning(strategy, scheme: str | None = None, tree: bool = False) -> OnEn
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
 METHODS = {
     "hf": ("transformers generate", lambda s, a: Transformers(s)),
-    "hf-assisted": ("transformers assisted (0.5B)", lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
+    "hf-assisted": ("transformers assisted ({drafter_name})", lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
     "hf-lookup": ("transformers prompt lookup", lambda s, a: Transformers(s, dict(prompt_lookup_num_tokens=10))),
     "ar": ("csd_engine Autoregressive", OnEngine(lambda a: Autoregressive())),
-    "spec-model": ("csd_engine Speculative(0.5B, k={k})",
+    "spec-model": ("csd_engine Speculative({drafter_name}, k={k})",
                    OnEngine(lambda a: Speculative(k=a.k, drafter=0), settings=("k",))),
-    "spec-model-conf": ("csd_engine Speculative(0.5B, k={k}, min_confidence=0.4)",
+    "spec-model-conf": ("csd_engine Speculative({drafter_name}, k={k}, min_confidence=0.4)",
                         OnEngine(lambda a: Speculative(k=a.k, drafter=0, min_confidence=0.4), settings=("k",))),
-    "spec-auto": ("csd_engine Speculative.auto(0.5B)", self_tuning(Speculative)),
-    "spec-auto-int8": ("csd_engine Speculative.auto(0.5B int8)", self_tuning(Speculative, "int8")),
-    "spec-auto-int4": ("csd_engine Speculative.auto(0.5B int4)", self_tuning(Speculative, "int4")),
-    "spec-auto-conf": ("csd_engine Speculative.auto(0.5B, min_confidence=0.4)",
+    "spec-auto": ("csd_engine Speculative.auto({drafter_name})", self_tuning(Speculative)),
+    "spec-auto-int8": ("csd_engine Speculative.auto({drafter_name} int8)", self_tuning(Speculative, "int8")),
+    "spec-auto-int4": ("csd_engine Speculative.auto({drafter_name} int4)", self_tuning(Speculative, "int4")),
+    "spec-auto-conf": ("csd_engine Speculative.auto({drafter_name}, min_confidence=0.4)",
                        OnEngine(lambda a: Speculative.auto(min_confidence=0.4))),
     "spec-mag": ("csd_engine Speculative(MaG, k={k_mag})", OnEngine(lambda a: Speculative(k=a.k_mag, drafter=1))),
-    "cascade": ("csd_engine Cascade(0.5B+MaG, K={k_matrix}, l={lenience:g})", k_cascade()),
+    "cascade": ("csd_engine Cascade({drafter_name}+MaG, K={k_matrix}, l={lenience:g})", k_cascade()),
     "cascade-tree": ("csd_engine Cascade(same, tree={tree})", k_cascade(tree=True)),
-    "cascade-int8": ("csd_engine Cascade(0.5B int8+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int8")),
-    "cascade-int4": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int4")),
-    "cascade-int4-tree": ("csd_engine Cascade(0.5B int4+MaG, K={k_matrix}, l={lenience:g}, tree={tree})",
+    "cascade-int8": ("csd_engine Cascade({drafter_name} int8+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int8")),
+    "cascade-int4": ("csd_engine Cascade({drafter_name} int4+MaG, K={k_matrix}, l={lenience:g})", k_cascade("int4")),
+    "cascade-int4-tree": ("csd_engine Cascade({drafter_name} int4+MaG, K={k_matrix}, l={lenience:g}, tree={tree})",
                           k_cascade("int4", tree=True)),
     "cascade-mag": ("csd_engine Cascade(MaG, K={k_mag_matrix})",
                     OnEngine(lambda a: Cascade(k_matrix=json.loads(a.k_mag_matrix), mag_tokens=8), mag_only=True)),
     "cascade-auto": ("csd_engine Cascade.auto()", self_tuning(Cascade)),
-    "cascade-auto-int8": ("csd_engine Cascade.auto(0.5B int8)", self_tuning(Cascade, "int8")),
-    "cascade-auto-int4": ("csd_engine Cascade.auto(0.5B int4)", self_tuning(Cascade, "int4")),
-    "cascade-auto-int4-tree": ("csd_engine Cascade.auto(0.5B int4, tree={tree})", self_tuning(Cascade, "int4", tree=True)),
-    "staged": ("csd_engine Staged(0.5B tree 3,2,1,1 + 2 MaG)",
+    "cascade-auto-int8": ("csd_engine Cascade.auto({drafter_name} int8)", self_tuning(Cascade, "int8")),
+    "cascade-auto-int4": ("csd_engine Cascade.auto({drafter_name} int4)", self_tuning(Cascade, "int4")),
+    "cascade-auto-int4-tree": ("csd_engine Cascade.auto({drafter_name} int4, tree={tree})", self_tuning(Cascade, "int4", tree=True)),
+    "staged": ("csd_engine Staged({drafter_name} tree 3,2,1,1 + 2 MaG)",
                OnEngine(lambda a: Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
     # pearl-overlap runs PEARL's concurrent rounds anyway.
-    "pearl": ("csd_engine Pearl(0.5B, gamma={k})", OnEngine(lambda a: Pearl(gamma=a.k, drafter=0), settings=("k",))),
-    "pearl-overlap": ("csd_engine Pearl(0.5B, gamma={k}, overlap=True)",
+    "pearl": ("csd_engine Pearl({drafter_name}, gamma={k})", OnEngine(lambda a: Pearl(gamma=a.k, drafter=0), settings=("k",))),
+    "pearl-overlap": ("csd_engine Pearl({drafter_name}, gamma={k}, overlap=True)",
                       OnEngine(lambda a: Pearl(gamma=a.k, drafter=0, overlap=True), settings=("k",))),
 }
 
@@ -277,10 +277,10 @@ def parse_args(argv=None):
                     help="at most this many prompts in all, taken round-robin over the categories (default: all "
                          "that --categories and --per-category select)")
     ap.add_argument("--k", type=int, default=4,
-                    help="draft length of Speculative and Pearl with the 0.5B drafter (default 4)")
+                    help="draft length of Speculative and Pearl with the neural drafter (default 4)")
     ap.add_argument("--k-mag", type=int, default=6, help="draft length of Speculative with MaG (default 6)")
     ap.add_argument("--k-matrix", type=json_text, default="[[2,4],[0,4]]",
-                    help="K matrix of Cascade 1.5B <- 0.5B <- MaG (default [[2,4],[0,4]]: bench/tune.py's best on "
+                    help="K matrix of Cascade target <- drafter <- MaG (default [[2,4],[0,4]]: bench/tune.py's best on "
                          "the 2-core CPU)")
     ap.add_argument("--tree", type=json_text, default="[3,2]",
                     help="candidates per depth of the top-level tree of cascade-tree, cascade-int4-tree and "
@@ -288,7 +288,7 @@ def parse_args(argv=None):
     ap.add_argument("--k-mag-matrix", type=json_text, default="[[8]]",
                     help="K matrix of Cascade 1.5B <- MaG (default [[8]])")
     ap.add_argument("--lenience", type=float, default=2.0,
-                    help="lenience of the K-matrix cascades, >= 1: how far the 0.5B's reviews of MaG's tokens are "
+                    help="lenience of the K-matrix cascades, >= 1: how far the drafter's reviews of MaG's tokens are "
                          "relaxed (never the target's; default 2)")
     ap.add_argument("--mag-tokens", type=int, default=4, help="tokens MaG proposes per call in the K-matrix cascades "
                                                                "(default 4, the CLI's)")
@@ -311,6 +311,8 @@ def parse_args(argv=None):
                          "time per target step in the target, drafters, verification, MaG and the rest (skipped "
                          "with a warning if the engine's internals no longer fit bench.common.instrumented)")
     args = ap.parse_args(argv)
+    # the methods' labels name the drafter: "0.5B" for the default one (the README's tables), else its name
+    args.drafter_name = "0.5B" if args.drafter == "qwen2.5-coder-0.5b" else Path(args.drafter).name
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if not args.temperature and (args.top_k or args.top_p < 1):
@@ -346,11 +348,16 @@ def main(argv=None):
     clip = DRY_RUN_PROMPT_TOKENS if args.dry_run else None
     encoded = [encode(tokenizer, p, max_tokens=clip) for p in prompts]
     setup = Setup(args, tokenizer, target, drafter, max_seq_len=harness.capacity(encoded, args.max_new_tokens))
-    runners = {key: METHODS[name][1](setup, own) for key, (name, own, _) in configured.items()}
-
     harness.progress("warm-up (6 tokens per method)")
-    for key in methods:
-        runners[key](encoded[0][:32], 6)
+    runners = {}
+    for key, (name, own, _) in configured.items():
+        try:  # builds the method's engine: the models' own limits (vocabularies, shapes) show here
+            runners[key] = METHODS[name][1](setup, own)
+            runners[key](encoded[0][:32], 6)
+        except ValueError as exc:
+            print(f"{Path(sys.argv[0]).name}: error: method {key!r} ({labels[key]}) cannot run on these models: {exc}",
+                  file=sys.stderr)
+            sys.exit(2)
 
     path = harness.record_path(f"compare-{Path(args.target).name}-{args.dtype}", args)
     runs = [{key: {"seconds": []} for key in methods} for _ in prompts]  # per prompt, per method

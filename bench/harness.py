@@ -318,10 +318,23 @@ def load_pair(args: argparse.Namespace):
 
 def quantized_drafter(model, device, dtype: torch.dtype, scheme: str, dry_run: bool = False):
     """A native runner over `model` with `scheme` weights ("int8", "int4"), built as the engine builds
-    a quantized drafter (dense copies for wide calls); a dry run's tiny rows take int4's 32-groups."""
+    a quantized drafter (dense copies for wide calls). "int4" groups 128 inputs where the model's
+    widths allow, else the largest group that divides them (said on stderr; SmolLM2's 576 inputs:
+    64); a dry run's tiny rows take 32."""
     from csd_engine.models.llama import LlamaRunner
-    from csd_engine.models.quant import drafter_dense_rows
-    quantize = scheme + "g32" if dry_run and scheme == "int4" else scheme
+    from csd_engine.models.quant import DEFAULT_INT4_GROUP, INT4_GROUPS, drafter_dense_rows
+    quantize = scheme
+    if scheme == "int4":
+        widths = {model.config.hidden_size, model.config.intermediate_size}
+        fits = [g for g in sorted(INT4_GROUPS, reverse=True) if all(w % g == 0 for w in widths)]
+        group = 32 if dry_run else DEFAULT_INT4_GROUP if DEFAULT_INT4_GROUP in fits else fits[0] if fits else None
+        if group is None:
+            raise ValueError(f"int4: no group size of {INT4_GROUPS} divides the drafter's widths {sorted(widths)}")
+        if group != DEFAULT_INT4_GROUP:
+            quantize = f"int4g{group}"
+            if not dry_run:
+                progress(f"int4 with groups of {DEFAULT_INT4_GROUP} does not fit the drafter's widths "
+                         f"{sorted(widths)}: {quantize}")
     return LlamaRunner(model, device, dtype, quantize=quantize, dense_rows=drafter_dense_rows(device, dtype, quantize))
 
 

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import compare, harness, tune
 from bench.common import encode, load_prompts, order_by_category
@@ -222,3 +223,19 @@ def test_compare_samples_every_method_alike_and_reproducibly():
         assert first == again, f"{key}: a seeded sampled run drew other tokens the second time"
         assert first != outputs["greedy", key][0], f"{key}: sampled at temperature 1.5 but decoded greedily"
         assert outputs["greedy", key][0] == outputs["greedy", key][1]
+
+
+def test_quantized_drafters_take_the_int4_group_their_widths_allow():
+    """Groups of 128 inputs where every width allows (the Qwen pair), else the largest that
+    divides them (SmolLM2's 576: 64), as the bench scripts' int4 drafters: not a crash after load."""
+    from tests.tiny_models import tiny_llama
+    runner = harness.quantized_drafter(tiny_llama(hidden=192), "cpu", torch.bfloat16, "int4")
+    assert runner.quantize == "int4g64"
+    assert harness.quantized_drafter(tiny_llama(hidden=256), "cpu", torch.bfloat16, "int4").quantize == "int4"
+
+
+def test_compare_labels_name_the_drafter_given():
+    own = compare.parse_args(["--dry-run", "--drafter", "smollm2-135m", "--methods", "spec-model,hf-assisted"])
+    assert compare.label("spec-model", "spec-model", own) == "csd_engine Speculative(smollm2-135m, k=4)"
+    default = compare.parse_args(["--dry-run", "--methods", "spec-model"])
+    assert compare.label("spec-model", "spec-model", default) == "csd_engine Speculative(0.5B, k=4)"
