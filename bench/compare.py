@@ -156,7 +156,8 @@ def self_tuning(strategy, scheme: str | None = None, tree: bool = False) -> OnEn
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
 METHODS = {
     "hf": ("transformers generate", lambda s, a: Transformers(s)),
-    "hf-assisted": ("transformers assisted ({drafter_name})", lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
+    "hf-assisted": ("transformers assisted ({drafter_name})",
+                    lambda s, a: Transformers(s, dict(assistant_model=s.drafter))),
     "hf-lookup": ("transformers prompt lookup", lambda s, a: Transformers(s, dict(prompt_lookup_num_tokens=10))),
     "ar": ("csd_engine Autoregressive", OnEngine(lambda a: Autoregressive())),
     "spec-model": ("csd_engine Speculative({drafter_name}, k={k})",
@@ -180,12 +181,14 @@ METHODS = {
     "cascade-auto": ("csd_engine Cascade.auto()", self_tuning(Cascade)),
     "cascade-auto-int8": ("csd_engine Cascade.auto({drafter_name} int8)", self_tuning(Cascade, "int8")),
     "cascade-auto-int4": ("csd_engine Cascade.auto({drafter_name} int4)", self_tuning(Cascade, "int4")),
-    "cascade-auto-int4-tree": ("csd_engine Cascade.auto({drafter_name} int4, tree={tree})", self_tuning(Cascade, "int4", tree=True)),
+    "cascade-auto-int4-tree": ("csd_engine Cascade.auto({drafter_name} int4, tree={tree})",
+                               self_tuning(Cascade, "int4", tree=True)),
     "staged": ("csd_engine Staged({drafter_name} tree 3,2,1,1 + 2 MaG)",
                OnEngine(lambda a: Staged(branching=(3, 2, 1, 1), drafter=0, mag_tokens=2))),
     # On one device Pearl() decodes by chain speculative steps (its two sides would not overlap);
     # pearl-overlap runs PEARL's concurrent rounds anyway.
-    "pearl": ("csd_engine Pearl({drafter_name}, gamma={k})", OnEngine(lambda a: Pearl(gamma=a.k, drafter=0), settings=("k",))),
+    "pearl": ("csd_engine Pearl({drafter_name}, gamma={k})",
+              OnEngine(lambda a: Pearl(gamma=a.k, drafter=0), settings=("k",))),
     "pearl-overlap": ("csd_engine Pearl({drafter_name}, gamma={k}, overlap=True)",
                       OnEngine(lambda a: Pearl(gamma=a.k, drafter=0, overlap=True), settings=("k",))),
 }

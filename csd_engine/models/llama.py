@@ -102,9 +102,8 @@ class LlamaRunner(Runner):
                  fused: bool | None = None, quantize: str | None = None, dense_rows: int = 0):
         cfg = hf_model.config
         if quantize is not None:
-            parse_scheme(quantize)
+            bits, _ = parse_scheme(quantize)
             if on_torch_cpu_ops(device, dtype):
-                bits, _ = parse_scheme(quantize)
                 warnings.warn(f"quantize={quantize!r} with {str(dtype).removeprefix('torch.')} activations on the CPU "
                               "runs torch's packed matmuls, slower than the unquantized model (a Qwen 0.5B forward "
                               f"took {TORCH_CPU_PACKED_SLOWDOWN[bits]:g}x its float32 one): quantized weights are "

@@ -57,7 +57,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # matmuls are torch's own ops (csd_engine's kernels take bfloat16), against the same model unquantized
 # in that dtype: the Qwen 0.5B's one-token forward in float32, int4 3.65x and int8 1.67x (2-core
 # AVX-512 EPYC, 2026-12-01: bench/measured/forward-cost-qwen-0.5b-float32-quantized-cpu-2026-12-01.json;
-# 6.4x and 2.8x on one thread).
+# 6.4x and 2.8x on one thread; float16 activations take the same ops, unmeasured).
 TORCH_CPU_PACKED_SLOWDOWN = {4: 3.65, 8: 1.67}
 DRAFTER_DENSE_ROWS = 16  # where the int4 op (and with native bf16 the int8 kernel) falls behind bf16 for a
 # whole Qwen 0.5B forward on the CPU

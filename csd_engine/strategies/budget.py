@@ -70,9 +70,9 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
     the platform's: KERNEL_WIDTH_COSTS or AVX512_KERNEL_WIDTH_COSTS (interpolated, extended at its
     last slope) where csd_engine's bf16 kernel runs the target, FLOAT32_CPU_WIDTH_COSTS for a
-    float32 target on the CPU of STREAMED_WEIGHT_BYTES or more, 1 + 0.02 (w - 1) elsewhere (torch's bf16 matmul on the AVX-512
-    EPYC, bench/draft_policy.py's timing: 9 / 17 tokens 1.15-1.18 / 1.35-1.44x one, the line 1.16 /
-    1.32; a GPU's forward is flat far wider)."""
+    float32 target on the CPU of STREAMED_WEIGHT_BYTES or more, 1 + 0.02 (w - 1) elsewhere
+    (torch's bf16 matmul on the AVX-512 EPYC, bench/draft_policy.py's timing: 9 / 17 tokens
+    1.15-1.18 / 1.35-1.44x one, the line 1.16 / 1.32; a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
     float32_cpu = (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.float32
                    and (getattr(models.target, "weight_bytes", None) or 0) >= STREAMED_WEIGHT_BYTES)
