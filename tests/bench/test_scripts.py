@@ -130,6 +130,7 @@ def test_serve_dry_run(tmp_path, models):
     assert [row["strategy"] for row in record["rows"]] == expected
     for row in record["rows"]:
         assert row["errors"] == 0 and row["identical_to_offline"] == row["requests"] == 6, row
+        assert row["offline_match"] == "6/6", row
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] > 0
         assert row["offline_tokens_per_s"] > 0 and len(row["per_request"]) == 6
         if row["strategy"] == "autoregressive":
