@@ -326,10 +326,10 @@ def quantized_drafter(model, device, dtype: torch.dtype, scheme: str, dry_run: b
     quantize = scheme
     if scheme == "int4":
         widths = {model.config.hidden_size, model.config.intermediate_size}
-        fits = [g for g in sorted(INT4_GROUPS, reverse=True) if all(w % g == 0 for w in widths)]
-        group = 32 if dry_run else DEFAULT_INT4_GROUP if DEFAULT_INT4_GROUP in fits else fits[0] if fits else None
-        if group is None:
+        fits = [g for g in INT4_GROUPS if all(w % g == 0 for w in widths)]
+        if not fits:
             raise ValueError(f"int4: no group size of {INT4_GROUPS} divides the drafter's widths {sorted(widths)}")
+        group = 32 if dry_run else min(DEFAULT_INT4_GROUP, max(fits))  # 128 divides wherever 256 does
         if group != DEFAULT_INT4_GROUP:
             quantize = f"int4g{group}"
             if not dry_run:
