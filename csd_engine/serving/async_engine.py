@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from csd_engine.scheduler import RequestOutput
@@ -68,38 +69,32 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self._finished:
             self._finished = True
-            self._engine._abort(self.request_id, self._outputs)
+            self._engine._worker.abort(self.request_id, self._outputs)
 
     def __del__(self):
         if not self._finished:  # SimpleQueue.put is safe here (reentrant); a stopped engine ignores it
-            self._engine._commands.put(("abort", self.request_id, self._outputs))
+            self._engine._worker.commands.put(("abort", self.request_id, self._outputs))
 
 
 class AsyncEngine:
     """Owns one Scheduler of `engine` (`rows` slots) and the thread that steps it while requests
     are unfinished. `max_waiting`: how many requests may wait for a row (None: no limit); one
     more raises QueueFull. Requests that free rows take at the next step do not count, so a burst
-    into an idle engine is not refused. `prefill_chunk`: prompt tokens prefilled per step."""
+    into an idle engine is not refused. `prefill_chunk`: prompt tokens prefilled per step.
+    An AsyncEngine dropped without close() closes when it is garbage-collected: the thread holds
+    only its _Worker, never the AsyncEngine, so it cannot keep the engine busy forever."""
 
     def __init__(self, engine, strategy=None, max_waiting: int | None = None, rows: int | None = None,
                  prefill_chunk: int | None = None):
         self.engine = engine
-        self._scheduler = engine.scheduler(strategy, rows=rows, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
+        scheduler = engine.scheduler(strategy, rows=rows, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
         self.strategy = strategy
-        self.rows, self.max_waiting = len(self._scheduler.slots), max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue); engine thread only
-        self._lock = threading.Lock()  # orders "stopped?" checks against the thread's last drain
-        self._stopped: str | None = None  # why the thread stopped
-        self._stats = {"waiting": 0, "running": 0}
-        self._prompt_tokens: dict[str, int] = {}  # request id -> prompt length; engine thread only
-        self._totals = {"finished": {}, "prompt_tokens": 0, "generation_tokens": 0, "drafts": 0,
-                        "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
+        self.rows, self.max_waiting = len(scheduler.slots), max_waiting
         if callable(engine.tokenizer):  # a tokenizer may set itself up on its first call: not beside a decode
             engine.tokenizer("")
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="csd-tokenize")
-        self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
-        self._thread.start()
+        self._worker = worker = _Worker(scheduler, self._tokenizing)
+        weakref.finalize(self, worker.stop)
 
     # -- callers' side -------------------------------------------------------------------------
     async def generate(self, prompt, params=None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -121,33 +116,26 @@ class AsyncEngine:
             raise ValueError(f"request_ids must be None or one per request ({len(requests)}), got {len(request_ids)}")
         queues = [asyncio.Queue() for _ in requests]
         accepted = loop.create_future()
-        self._send(("add", list(requests), request_ids, loop, accepted, queues))
+        self._worker.send(("add", list(requests), request_ids, loop, accepted, queues))
         try:
-            await accepted  # cancelled before they were accepted: _accepted aborts them
+            await accepted  # cancelled before they were accepted: _Worker.accepted aborts them
         except asyncio.CancelledError:
             if accepted.done() and not accepted.cancelled():  # accepted, then cancelled before resuming
                 for request_id, outputs in zip(request_ids, queues):
-                    self._abort(request_id, outputs)
+                    self._worker.abort(request_id, outputs)
             raise
         return [RequestStream(self, i, q) for i, q in zip(request_ids, queues)]
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step (a no-op for an unknown or finished one)."""
-        self._abort(request_id, None)
-
-    def _abort(self, request_id: str, outputs: asyncio.Queue | None) -> None:
-        """abort(), or with `outputs` only while the request of that id is the one streaming there."""
-        try:
-            self._send(("abort", request_id, outputs))
-        except EngineStopped:
-            pass
+        self._worker.abort(request_id, None)
 
     async def call(self, fn):
         """fn() run on the engine thread between two steps (tokenizing, for one); its result or
         exception."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(("call", fn, loop, done))
+        self._worker.send(("call", fn, loop, done))
         return await done
 
     async def tokenize(self, fn):
@@ -155,7 +143,7 @@ class AsyncEngine:
         try:
             work = asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)
         except RuntimeError:  # closed
-            raise EngineStopped(self._stopped or "the engine was closed") from None
+            raise EngineStopped(self._worker.stopped or "the engine was closed") from None
         return await work
 
     async def encode(self, prompt) -> list[int]:
@@ -169,24 +157,22 @@ class AsyncEngine:
         prompt tokens prefilled and tokens generated, and speculation's `drafts` (target reviews
         of at least one draft token), `draft_tokens`, `accepted_tokens` and
         `accepted_per_position` (tokens accepted at each draft position)."""
-        with self._lock:
-            totals = {**self._totals, "finished": dict(self._totals["finished"]),
-                      "accepted_per_position": list(self._totals["accepted_per_position"])}
-        return {**self._stats, "rows": self.rows, "max_waiting": self.max_waiting, **totals}
+        worker = self._worker
+        with worker.lock:
+            totals = {**worker.totals, "finished": dict(worker.totals["finished"]),
+                      "accepted_per_position": list(worker.totals["accepted_per_position"])}
+        return {**worker.queued, "rows": self.rows, "max_waiting": self.max_waiting, **totals}
 
     @property
     def error(self) -> str | None:
         """Why the engine thread stopped (None while it serves)."""
-        return self._stopped
+        return self._worker.stopped
 
     def close(self, timeout: float | None = 30) -> None:
         """Stop the thread: unfinished requests end with EngineStopped, the engine is released."""
-        try:
-            self._send(("close",))
-        except EngineStopped:
-            pass
-        if threading.current_thread() is not self._thread:  # close() from a `call` stops the thread after it
-            self._thread.join(timeout)
+        self._worker.stop()
+        if threading.current_thread() is not self._worker.thread:  # close() from a `call` stops the thread after it
+            self._worker.thread.join(timeout)
 
     def __enter__(self):
         return self
@@ -194,53 +180,81 @@ class AsyncEngine:
     def __exit__(self, *exc):
         self.close()
 
-    def _send(self, command: tuple) -> None:
-        with self._lock:
-            if self._stopped is not None:
-                raise EngineStopped(self._stopped)
-            self._commands.put(command)
 
-    # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+class _Worker:
+    """The engine thread and everything it shares with callers: the command queue (add, abort,
+    call, close), the lock that orders "stopped?" checks against its last drain, the counters.
+    Only this thread touches the Scheduler."""
+
+    def __init__(self, scheduler, tokenizing: concurrent.futures.ThreadPoolExecutor):
+        self.scheduler, self.tokenizing = scheduler, tokenizing
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue); engine thread only
+        self.lock = threading.Lock()
+        self.stopped: str | None = None  # why the thread stopped
+        self.queued = {"waiting": 0, "running": 0}
+        self.prompt_tokens: dict[str, int] = {}  # request id -> prompt length; engine thread only
+        self.totals = {"finished": {}, "prompt_tokens": 0, "generation_tokens": 0, "drafts": 0,
+                       "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
+        self.thread = threading.Thread(target=self.run, name="csd-engine", daemon=True)
+        self.thread.start()
+
+    def send(self, command: tuple) -> None:
+        with self.lock:
+            if self.stopped is not None:
+                raise EngineStopped(self.stopped)
+            self.commands.put(command)
+
+    def abort(self, request_id: str, outputs: asyncio.Queue | None) -> None:
+        """Abort a request; with `outputs` only while the request of that id streams there."""
+        with contextlib.suppress(EngineStopped):
+            self.send(("abort", request_id, outputs))
+
+    def stop(self) -> None:
+        """Ask the thread to close after the commands before this one (a no-op once stopped)."""
+        with contextlib.suppress(EngineStopped):
+            self.send(("close",))
+
+    def run(self) -> None:
         why = "the engine was closed"
+        scheduler = self.scheduler
         try:
             while True:
-                busy = self._scheduler.has_unfinished()
-                if not self._handle_commands(block=not busy):
+                if not self.handle_commands(block=not scheduler.has_unfinished()):
                     break
-                outputs = self._scheduler.step() if self._scheduler.has_unfinished() else []
-                self._stats = {"waiting": len(self._scheduler.waiting), "running": self._scheduler.running}
-                for out in outputs:  # after the stats, so that a caller seeing its end sees them too
+                outputs = scheduler.step() if scheduler.has_unfinished() else []
+                self.queued = {"waiting": len(scheduler.waiting), "running": scheduler.running}
+                for out in outputs:  # after the counts, so that a caller seeing its end sees them too
                     if out.finished:
-                        self._count(out)
-                    self._deliver(out)
+                        self.count(out)
+                    self.deliver(out)
         except BaseException as exc:  # a bug in a step: the scheduler's state is unknown, so stop serving
             log.exception("the engine thread stopped")
             why = f"the engine failed: {type(exc).__name__}: {exc}"
-        with self._lock:
-            self._stopped = why
+        with self.lock:
+            self.stopped = why
         stopped = EngineStopped(why)
-        for loop, outputs in self._streams.values():
-            self._post(loop, outputs.put_nowait, stopped)
-        self._streams.clear()
-        while True:  # commands sent before _stopped was set
+        for loop, outputs in self.streams.values():
+            _post(loop, outputs.put_nowait, stopped)
+        self.streams.clear()
+        while True:  # commands sent before `stopped` was set
             try:
-                command = self._commands.get_nowait()
+                command = self.commands.get_nowait()
             except queue.Empty:
                 break
             if command[0] == "add":
-                self._post(command[3], _resolve, command[4], None, stopped)
+                _post(command[3], _resolve, command[4], None, stopped)
             elif command[0] == "call":
-                self._post(command[2], _resolve, command[3], None, stopped)
-        self._stats = {"waiting": 0, "running": 0}
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
-        self._scheduler.close()
+                _post(command[2], _resolve, command[3], None, stopped)
+        self.queued = {"waiting": 0, "running": 0}
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
+        scheduler.close()
 
-    def _handle_commands(self, block: bool) -> bool:
+    def handle_commands(self, block: bool) -> bool:
         """Run the queued commands (waiting for one if `block`); False once asked to close."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self.commands.get(block=block)
             except queue.Empty:
                 return True
             block = False
@@ -248,46 +262,46 @@ class AsyncEngine:
             if kind == "close":
                 return False
             if kind == "add":
-                self._add(*command[1:])
+                self.add(*command[1:])
             elif kind == "abort":
                 request_id, outputs = command[1:]
-                if outputs is None or self._streams.get(request_id, (None, None))[1] is outputs:
-                    self._scheduler.abort(request_id)
+                if outputs is None or self.streams.get(request_id, (None, None))[1] is outputs:
+                    self.scheduler.abort(request_id)
             elif kind == "call":
                 fn, loop, done = command[1:]
                 try:
-                    self._post(loop, _resolve, done, fn())
+                    _post(loop, _resolve, done, fn())
                 except BaseException as exc:  # CancelledError or SystemExit too: the caller's, not the thread's
-                    self._post(loop, _resolve, done, None, exc)
+                    _post(loop, _resolve, done, None, exc)
 
-    def _add(self, requests, request_ids, loop, accepted, queues) -> None:
-        scheduler = self._scheduler
+    def add(self, requests, request_ids, loop, accepted, queues) -> None:
+        scheduler = self.scheduler
         try:  # QueueFull unless there is room for all of them
             scheduler.add_all([(prompt, params, i) for (prompt, params), i in zip(requests, request_ids)])
         except Exception as exc:  # ValueError, TypeError, QueueFull: the caller's to handle
-            self._post(loop, _resolve, accepted, None, exc)
+            _post(loop, _resolve, accepted, None, exc)
             return
         for request_id, outputs in zip(request_ids, queues):
-            self._streams[request_id] = (loop, outputs)
-            self._prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
-        if not self._post(loop, self._accepted, accepted, request_ids, queues):
+            self.streams[request_id] = (loop, outputs)
+            self.prompt_tokens[request_id] = len(scheduler.requests[request_id].prompt)
+        if not _post(loop, self.accepted, accepted, request_ids, queues):
             for request_id in request_ids:
                 scheduler.abort(request_id)
 
-    def _accepted(self, accepted: asyncio.Future, request_ids: list[str], queues: list[asyncio.Queue]) -> None:
+    def accepted(self, accepted: asyncio.Future, request_ids: list[str], queues: list[asyncio.Queue]) -> None:
         """On the caller's loop: the requests are queued; a caller cancelled meanwhile aborts them."""
         if accepted.cancelled():
             for request_id, outputs in zip(request_ids, queues):
-                self._abort(request_id, outputs)
+                self.abort(request_id, outputs)
         else:
             accepted.set_result(None)
 
-    def _count(self, out: RequestOutput) -> None:
+    def count(self, out: RequestOutput) -> None:
         """Add a finished request to the totals; its prompt counts if it was prefilled (had a row)."""
-        prompt, result = self._prompt_tokens.pop(out.request_id, 0), out.result
+        prompt, result = self.prompt_tokens.pop(out.request_id, 0), out.result
         metrics = result.metrics
-        with self._lock:
-            totals = self._totals
+        with self.lock:
+            totals = self.totals
             totals["finished"][out.finish_reason] = totals["finished"].get(out.finish_reason, 0) + 1
             totals["generation_tokens"] += len(result.token_ids)
             if metrics is None:
@@ -301,20 +315,20 @@ class AsyncEngine:
             for position, accepted in enumerate(metrics.accepted_per_position):
                 per_position[position] += accepted
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+    def deliver(self, out: RequestOutput) -> None:
+        stream = self.streams.get(out.request_id)
         if stream is None:
             return
         if out.finished:
-            del self._streams[out.request_id]
-        if not self._post(stream[0], stream[1].put_nowait, out) and not out.finished:
-            self._scheduler.abort(out.request_id)  # its loop is closed: nobody will read it
+            del self.streams[out.request_id]
+        if not _post(stream[0], stream[1].put_nowait, out) and not out.finished:
+            self.scheduler.abort(out.request_id)  # its loop is closed: nobody will read it
 
-    @staticmethod
-    def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
-        """Run fn(*args) on `loop`; False if that loop is closed."""
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-            return True
-        except RuntimeError:
-            return False
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Run fn(*args) on `loop`; False if that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False

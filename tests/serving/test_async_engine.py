@@ -1,6 +1,7 @@
 """AsyncEngine without HTTP: concurrent callers get exactly their offline tokens, a burst into free
 rows is not refused while a full queue is, and a consumer that stops reading frees its row."""
 import asyncio
+import gc
 import subprocess
 import sys
 import threading
@@ -94,7 +95,7 @@ def test_requests_submitted_together_are_queued_all_or_none(engine):
             tokenizer_thread = await async_engine.tokenize(threading.current_thread)
             return tokens, tokenizer_thread
         tokens, tokenizer_thread = asyncio.run(main())
-        assert len(tokens) == 40 and tokenizer_thread not in (async_engine._thread, threading.current_thread())
+        assert len(tokens) == 40 and tokenizer_thread not in (async_engine._worker.thread, threading.current_thread())
         assert async_engine.stats()["finished"] == {"length": 1, "abort": 1}
     finally:
         async_engine.close()
@@ -131,21 +132,20 @@ def test_a_consumer_that_stops_reading_frees_its_row(engine):
 def test_a_consumer_cancelled_as_its_request_is_accepted_frees_its_row(engine):
     """The task is cancelled in the loop iteration that accepts its request, before it resumes:
     the request is aborted, not left decoding its 60 tokens for nobody."""
-    class CancelOnAccept(AsyncEngine):
-        victim = None
+    async_engine, victim = AsyncEngine(engine, rows=1), [None]
+    accepted = async_engine._worker.accepted
 
-        def _accepted(self, *args):
-            super()._accepted(*args)
-            self.victim.cancel()
-
-    async_engine = CancelOnAccept(engine, rows=1)
+    def cancel_on_accept(*args):
+        accepted(*args)
+        victim[0].cancel()
+    async_engine._worker.accepted = cancel_on_accept
     try:
         async def main():
-            async_engine.victim = asyncio.ensure_future(collect(async_engine, [1, 2, 3], SamplingParams(
+            victim[0] = asyncio.ensure_future(collect(async_engine, [1, 2, 3], SamplingParams(
                 max_new_tokens=60, ignore_eos=True)))
             with pytest.raises(asyncio.CancelledError):
-                await async_engine.victim
-            async_engine.victim = asyncio.ensure_future(asyncio.sleep(0))  # the next one's cancel hits nothing
+                await victim[0]
+            victim[0] = asyncio.ensure_future(asyncio.sleep(0))  # the next one's cancel hits nothing
             return await collect(async_engine, [6, 7], SamplingParams(max_new_tokens=5))
         asyncio.run(main())
         stats = async_engine.stats()
@@ -210,6 +210,22 @@ def test_close_stops_serving_and_releases_the_engine(engine):
     assert async_engine.error == "the engine was closed"
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
 
+
+
+def test_an_async_engine_dropped_without_close_stops_and_releases_the_engine(engine):
+    """The last reference to an AsyncEngine gone (no close(), no `with`): its thread ends and the
+    engine serves again, instead of a thread blocked forever holding the engine's caches."""
+    async_engine = AsyncEngine(engine, Speculative(k=3))
+
+    async def main():
+        return await collect(async_engine, [1, 2, 3], SamplingParams(max_new_tokens=3))
+    assert len(asyncio.run(main())[0]) == 3
+    thread = async_engine._worker.thread
+    del async_engine
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
 
 WITHOUT_THE_SERVE_EXTRA = """
 import sys
