@@ -20,6 +20,7 @@ host; kernel input checks read values only when asked (tests).
 """
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -186,14 +187,16 @@ class Engine:
         self._kept_steps = None  # the last scheduler's step graphs (scheduler.KeptSteps), cuda_graphs="step"
 
     def _sequence_limit(self, requested: int | None) -> int:
-        """max_seq_len as asked, or by default DEFAULT_MAX_SEQ_LEN or less where a model's limit
-        comes first. A sliding window: full attention (csd_engine's) equals the window's while the
+        """max_seq_len as asked, or by default DEFAULT_MAX_SEQ_LEN or less where a model's limit or
+        trained positions come first (asked past those, a warning). A sliding window: full attention (csd_engine's) equals the window's while the
         sequence and its drafts' HEADROOM fit in it. A learned position table, or rotary frequencies
         that change past a length (runner.position_limit): no position past it."""
-        limits = []
+        limits, trained = [], []
         for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
                                 [self.target, *self.drafters]):
             window, positions = getattr(runner, "attention_window", None), getattr(runner, "position_limit", None)
+            if getattr(runner, "trained_positions", None) is not None:
+                trained.append((runner.trained_positions, name))
             if window is not None:
                 limits.append((window - HEADROOM, f"{name} attends over a sliding window of {window} tokens; "
                                                   f"csd_engine attends to the whole sequence, the same while it fits "
@@ -206,7 +209,14 @@ class Engine:
                 raise ValueError(f"{reason}: no max_seq_len (>= 2) fits")
             if requested is not None and requested > limit:
                 raise ValueError(f"{reason}: max_seq_len must be at most {limit}, got {requested}")
-        return requested if requested is not None else min([DEFAULT_MAX_SEQ_LEN] + [limit for limit, _ in limits])
+        if requested is None:
+            return min([DEFAULT_MAX_SEQ_LEN] + [limit for limit, _ in limits] + [positions for positions, _ in trained])
+        for positions, name in trained:
+            if requested > positions:
+                warnings.warn(f"max_seq_len={requested} lets sequences run past the {positions} positions {name} was "
+                              f"trained on (config.max_position_embeddings): there its output, csd_engine's and plain "
+                              f"decoding's alike, is untrained", stacklevel=ops.caller_stacklevel())
+        return requested
 
     def _load_drafter(self, spec, native, attention_backend):
         if isinstance(spec, MaG) or (isinstance(spec, str) and spec.lower() == "mag"):

@@ -136,6 +136,7 @@ class GraphedRunner(Runner):
     cache_owner = _wrapped("cache_owner")
     busy = _wrapped("busy")
     position_limit = _wrapped("position_limit")
+    trained_positions = _wrapped("trained_positions")
     tree_limit = _wrapped("tree_limit")
 
     @property

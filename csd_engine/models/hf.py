@@ -48,6 +48,7 @@ class HFRunner(Runner):
         self.num_params = sum(p.numel() for p in hf_model.parameters())
         self.attention_window = attention_window(hf_model.config)
         self.position_limit = position_limit(hf_model)
+        self.trained_positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.caches: list[DynamicCache] = []
         self._check_forwards()
         self.tree_limit = self._tree_limit()

@@ -143,6 +143,7 @@ class LlamaRunner(Runner):
         # dynamic NTK's rescaled, LongRoPE's long factors); the sequence stays below it (position_limit)
         self.inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq).detach().to(self.device, torch.float32)
         self.position_limit = position_limit(hf_model)
+        self.trained_positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.rope_scaling = float(rotary.attention_scaling)
 
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}

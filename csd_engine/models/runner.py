@@ -100,6 +100,9 @@ class Runner:
     attention_window: int | None = None
     # (positions, why): how many positions it computes as plain decoding does (position_limit), or None.
     position_limit: tuple[int, str] | None = None
+    # The positions it was trained on (config.max_position_embeddings), or None: past them its output
+    # is plain decoding's still, but untrained (the engine warns).
+    trained_positions: int | None = None
     # Why it cannot verify token trees exactly (the generic runner's HFRunner._tree_limit), or None.
     tree_limit: str | None = None
     # [B] bool on the device, set by the engine for a generate call: rows whose logits were ever

@@ -198,7 +198,7 @@ def test_the_wrapper_describes_the_model_as_the_runner_does():
     runner.position_limit = (300, "has a learned position table of 300")
     graphed = GraphedRunner(runner)
     for field in ("vocab_size", "num_params", "device", "weight_bytes", "eos_token_ids", "attention_window",
-                  "position_limit"):
+                  "position_limit", "trained_positions"):
         assert getattr(graphed, field) == getattr(runner, field), field
     graphed.eos_token_ids = (5,)
     assert runner.eos_token_ids == (5,)

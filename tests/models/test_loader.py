@@ -181,6 +181,21 @@ def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):
         Engine("org/no-such-model")
 
 
+
+def test_max_seq_len_past_the_trained_positions_warns_and_the_default_stays_within():
+    """Plain RoPE computes past max_position_embeddings, but the model never saw those positions:
+    left out, max_seq_len stays within the positions every model was trained on (a drafter's
+    too); asked past them, the engine warns naming the model and still runs it."""
+    target, drafter = tiny_llama(seed=0), tiny_llama(seed=1)  # max_position_embeddings 512
+    drafter.config.max_position_embeddings = 300
+    assert Engine(target, max_batch_size=1).max_seq_len == 512
+    assert Engine(target, drafters=[drafter, "mag"], max_batch_size=1).max_seq_len == 300
+    with pytest.warns(UserWarning, match=r"max_seq_len=600 .* 512 positions the target was trained on") as caught:
+        engine = Engine(target, drafters=["mag"], max_batch_size=1, max_seq_len=600)
+    assert engine.max_seq_len == 600 and caught[0].filename == __file__
+    with pytest.warns(UserWarning, match=r"300 positions drafter 0 was trained on"):
+        Engine(target, drafters=[drafter], max_batch_size=1, max_seq_len=400)
+
 def _llama_with_rope(seed: int, **rope):
     from transformers import LlamaConfig, LlamaForCausalLM
 
