@@ -169,7 +169,9 @@ def _model_and_strategy_flags(g: argparse.ArgumentParser) -> None:
                         "each whole decoding step (not Pearl's concurrent rounds); ignored on a CPU (default off)")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="longest sequence a request may reach, prompt included (default 2048, or less where a "
-                        "model's sliding window or position table ends first)")
+                        "model's sliding window, position table or trained positions end first)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default torch's; 1 is fastest for tiny models on a busy machine)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="csd_engine's log messages on stderr (model builds, progress; default info)")
 
@@ -205,8 +207,6 @@ def main(argv=None) -> int:
     s.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits never depend on what shares its batch (Engine(batch_invariant=True))")
     s.add_argument("--model-name", default=None, help="the name clients use as `model` (default: --target)")
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default torch's; 1 is fastest for tiny models on a busy machine)")
     args = parser.parse_args(argv)
     _configure_logging(args.log_level)
     try:
@@ -230,6 +230,7 @@ def generate(args) -> int:
     """`csd-engine generate`: exit status 0, or 2 for a bad argument (named on stderr)."""
     try:
         _check_drafters(args.drafter)
+        _set_threads(args.threads)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop)
         if args.stream and (len(args.prompt) > 1 or args.json):
@@ -262,6 +263,13 @@ def generate(args) -> int:
     return 0
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
 def _stream(engine, args, prompt, params, strategy) -> int:
     """Print the prompt, then each step's text as it comes (token ids without a tokenizer)."""
     print(args.prompt[0] + ("\n" if args.chat else ""), end="", flush=True)
@@ -291,10 +299,7 @@ def serve(args) -> int:
         return 2
     try:
         _check_drafters(args.drafter)
-        if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
-            torch.set_num_threads(args.threads)
+        _set_threads(args.threads)
         if args.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
         if not 1 <= args.port <= 65535:

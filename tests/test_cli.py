@@ -175,6 +175,17 @@ def test_simple_flags_reach_their_strategy(tmp_path, capsys):
     assert _generate(common + ["--strategy", "speculative", "--k", "2"], capsys) == reference
 
 
+
+def test_threads_is_checked_and_set_for_generate(tmp_path, capsys, monkeypatch):
+    """--threads sets torch's CPU threads for generate as for serve; below 1 it exits 2 naming it."""
+    folder = _tiny_folder(tmp_path)
+    common = ["generate", "--target", folder, "--max-new-tokens", "2", "--max-seq-len", "64", "--prompt", "x"]
+    assert main(common + ["--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+    set_to = []
+    monkeypatch.setattr(cli.torch, "set_num_threads", set_to.append)
+    assert main(common + ["--threads", "3"]) == 0 and set_to == [3]
+
 def test_version_and_python_m(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
