@@ -37,13 +37,16 @@ def load_prompts(limit: int | None = None, categories: str | None = None, per_ca
         prompts = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read prompts from {path}: {exc}; expected {PROMPTS_FORMAT}") from None
-    if not isinstance(prompts, list) or not prompts:
+    if not isinstance(prompts, list):
+        kind = {dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}.get(type(prompts), "a number")
+        raise ValueError(f"{path} holds {kind}, not a list of prompts; expected {PROMPTS_FORMAT}")
+    if not prompts:
         raise ValueError(f"{path} holds no prompts; expected {PROMPTS_FORMAT}")
     for i, p in enumerate(prompts):
         if not _is_prompt(p):
             raise ValueError(f"{path}: entry {i} is not a prompt ({str(p)[:80]}); expected {PROMPTS_FORMAT}")
     if categories:
-        wanted = {ALIASES.get(c, c) for c in categories.split(",")}
+        wanted = {ALIASES.get(c.strip(), c.strip()) for c in categories.split(",")}
         unknown = wanted - {p["category"] for p in prompts}
         if unknown:
             raise ValueError(f"no prompts of categories {sorted(unknown)} in {path} (it has "

@@ -36,6 +36,16 @@ def test_prompt_selection():
     assert load_prompts(categories="summarisation") == load_prompts(categories="summarization")  # old spelling
     with pytest.raises(ValueError, match=r"no prompts of categories \['poetry'\]"):
         load_prompts(categories="poetry")
+    assert load_prompts(categories="qa, rag") == load_prompts(categories="qa,rag")  # spaces after commas
+
+
+def test_a_prompts_file_that_is_not_a_list_says_what_it_holds(tmp_path):
+    for content, words in (('{"prompts": []}', "holds an object, not a list of prompts"),
+                           ("[]", "holds no prompts"), ('"abc"', "holds a string, not a list")):
+        path = tmp_path / "mine.json"
+        path.write_text(content)
+        with pytest.raises(ValueError, match=words):
+            load_prompts(path=path)
 
 
 def test_chat_messages_go_through_the_template():
