@@ -507,11 +507,14 @@ def profile_methods(runners: dict, labels: dict, ids: list[int], max_new_tokens:
         row = dict(method=labels[key], ms_per_step=seconds / steps * 1e3, mean_accepted=metrics.mean_accepted_tokens,
                    **{f"{part}_ms": parts.get(part, 0.0)
                       for part in ("prefill", "target", "drafters", "verify", "sample", "mag")})
-        row["other_ms"] = row["ms_per_step"] - sum(parts.values())
+        # PEARL's concurrent rounds time the drafter beside the target: the parts overlap, so no remainder
+        concurrent = getattr(getattr(method, "strategy", None), "overlap", None) is True
+        row["other_ms"] = None if concurrent else row["ms_per_step"] - sum(parts.values())
         rows.append(row)
         harness.progress(f"profile {labels[key]}: {harness.figures(row['ms_per_step'])} ms per target step")
     if rows:
-        print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps)")
+        print("\nwhere a target step's time goes (ms per target forward; first prompt; prefill spread over the steps; "
+              "'other' is '-' where the drafter runs beside the target)")
         ms = harness.figures
         print_table(rows, [("method", "method", "s"), ("ms_per_step", "ms/step", ms),
                            ("mean_accepted", "MAT", ".2f"), ("prefill_ms", "prefill", ms), ("target_ms", "target", ms),

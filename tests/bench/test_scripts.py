@@ -86,6 +86,8 @@ def test_compare_dry_run(tmp_path):
     else:
         assert all(record["overall"][key]["same_as_ar"] is None for key in record["methods"])
     assert record["profile"], "the profile ran (or warned) for the csd_engine methods"
+    for row in record["profile"]:  # no remainder where the parts overlap (PEARL's concurrent rounds)
+        assert (row["other_ms"] is None) == ("overlap=True" in row["method"]), row
     assert {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("*.png")} == {"speedup.png", "acceptance.png"}
 
 
