@@ -29,7 +29,7 @@ import torch
 from csd_engine import ops
 from csd_engine.checks import is_int, is_integral
 from csd_engine.drafters.mag import MaG
-from csd_engine.models.graphs import maybe_graphed
+from csd_engine.models.graphs import GraphedRunner, maybe_graphed
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import check_spec, load_runner, split_spec
 from csd_engine.models.quant import drafter_dense_rows
@@ -113,6 +113,19 @@ def _unpadded_rows(encoding) -> list[list[int]]:
     return [[t for t, keep in zip(r, m) if keep] for r, m in zip(ids, mask)]
 
 
+def _check_one_role_each(models: list) -> None:
+    """A runner holds one KV cache and MaG one set of statistics per row: the same object as the
+    target and a drafter, or as two drafters, would have each overwrite the other's."""
+    roles = {}
+    for name, model in zip(["the target"] + [f"drafter {i}" for i in range(len(models) - 1)], models):
+        inner = model.runner if isinstance(model, GraphedRunner) else model
+        if id(inner) in roles:
+            raise ValueError(f"{name} is the same {type(inner).__name__} object as {roles[id(inner)]}: it holds one "
+                             "cache, so it can fill one role in an engine; pass the model (or its path) again, "
+                             "which gets a runner of its own")
+        roles[id(inner)] = name
+
+
 class Engine:
     @torch.inference_mode(False)  # caches made under an application's inference_mode could not be reset outside it
     def __init__(self, target, drafters=(), device=None, dtype=torch.float32, max_batch_size: int = 8,
@@ -163,6 +176,7 @@ class Engine:
         self.tokenizer = tokenizer or own_tokenizer
         self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
                          for d in drafters]
+        _check_one_role_each([self.target, *self.drafters])
         for i, d in enumerate(self.drafters):
             if not isinstance(d, MaG) and d.device != self.drafter_device:
                 raise ValueError(f"drafter {i} is a runner on {d.device}, but the engine puts drafters on "

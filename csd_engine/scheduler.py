@@ -37,7 +37,7 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.kernels.random import fold_seed
 from csd_engine.params import SamplingParams
 from csd_engine.models.llama import LlamaRunner
-from csd_engine.models.runner import on_device
+from csd_engine.models.runner import on_device, without_autocast
 from csd_engine.step_graphs import CudaCapture, StepGraphs
 from csd_engine.strategies.base import DecodeState, Decoder, StepMetrics
 from csd_engine.text import IncrementalText
@@ -388,7 +388,9 @@ class Scheduler:
             raise RuntimeError(f"torch's default dtype is {torch.get_default_dtype()} (torch.set_default_dtype), but "
                                "csd_engine's steps compute in float32 with it as the default: set it back to "
                                "torch.float32 while generating")
-        with on_device(self.engine.device):  # the thread driving this scheduler launches on the engine's GPU
+        # on the engine's GPU for the thread driving this scheduler; a caller's autocast does not
+        # reach in: the engine's dtype is the one its forwards compute in
+        with on_device(self.engine.device), without_autocast(self.engine.device):
             try:
                 return self._step()
             except BaseException as error:  # Ctrl-C or an error mid-step: device and host records disagree

@@ -6,12 +6,14 @@ before every forward (rollback), and rows run one after another because the cach
 different lengths. Trees work through a 4-D attention mask where the model's attention depends
 on a token's position only through `position_ids` (`tree_limit` says why not otherwise).
 """
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from csd_engine.models.cache import CommittedLengths
-from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit
+from csd_engine.models.runner import ForwardBatch, Runner, attention_window, position_limit, without_autocast
 
 
 class _Lengths(CommittedLengths):
@@ -42,7 +44,7 @@ class _Lengths(CommittedLengths):
 
 class HFRunner(Runner):
     def __init__(self, hf_model, device):
-        self.model = hf_model.eval()  # no dropout (a model passed in is the caller's: forward re-asserts it)
+        self.model = hf_model  # the caller's, maybe: run in eval mode by _plainly, which restores its modes
         self.device = torch.device(device)
         self.vocab_size = hf_model.config.vocab_size
         self.num_params = sum(p.numel() for p in hf_model.parameters())
@@ -50,8 +52,9 @@ class HFRunner(Runner):
         self.position_limit = position_limit(hf_model)
         self.trained_positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.caches: list[DynamicCache] = []
-        self._check_forwards()
-        self.tree_limit = self._tree_limit()
+        with self._plainly():
+            self._check_forwards()
+            self.tree_limit = self._tree_limit()
 
     @torch.inference_mode()
     def _check_forwards(self) -> None:
@@ -157,11 +160,20 @@ class HFRunner(Runner):
         return self.model(input_ids=ids, position_ids=positions, attention_mask=self._additive(seen),
                           past_key_values=cache, use_cache=True, return_dict=True).logits.float()
 
-    def _in_eval(self) -> None:
-        """The model the caller passed in is theirs: one put back in training mode since (dropout
-        on) runs in eval again here."""
-        if self.model.training:
-            self.model.eval()
+    @contextlib.contextmanager
+    def _plainly(self):
+        """The model as plain decoding runs it: in eval mode (no dropout), with a caller's
+        autocast off. The model may be the caller's own, in training: its modules' modes are
+        put back afterwards."""
+        training = [m for m in self.model.modules() if m.training] if self.model.training else []
+        try:
+            with without_autocast(self.device):
+                for m in training:
+                    m.training = False
+                yield
+        finally:
+            for m in training:
+                m.training = True
 
     def allocate(self, batch: int, capacity: int) -> None:
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
@@ -172,7 +184,10 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def prefill(self, rows: slice, ids: torch.Tensor, start: int = 0) -> None:
-        self._in_eval()
+        with self._plainly():
+            self._prefill(rows, ids, start)
+
+    def _prefill(self, rows: slice, ids: torch.Tensor, start: int) -> None:
         for i, row in enumerate(range(*rows.indices(len(self.caches)))):
             if start == 0:
                 self.caches[row] = DynamicCache(config=self.model.config)
@@ -188,7 +203,10 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        self._in_eval()
+        with self._plainly():
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         lengths = self.cache.lengths.tolist()
         out = []
         for row, cache in enumerate(self.caches):

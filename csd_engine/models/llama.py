@@ -61,6 +61,40 @@ def unsupported(cfg) -> str | None:
     return None
 
 
+_PROJECTIONS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
+_LAYER_WEIGHTS = {"input_layernorm.weight", "post_attention_layernorm.weight", *(f"{p}.weight" for p in _PROJECTIONS),
+                  *(f"self_attn.{n}_proj.bias" for n in "qkvo")}
+
+
+def _hook_module(hook) -> str:
+    return getattr(hook, "__module__", None) or getattr(getattr(hook, "func", None), "__module__", None) or ""
+
+
+def nonstock(model) -> str | None:
+    """Why the native runner, which reads the weights by name and computes the layers itself,
+    would not compute what this model's modules do, or None: forward hooks it would not run,
+    projections or embeddings of other classes than torch's (an adapter's wrapper), weights it
+    would not read (LoRA's lora_A, a wrapper's base_layer)."""
+    for name, module in model.named_modules():
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        if any(not _hook_module(hook).startswith("transformers.") for hook in hooks):  # its own record outputs only
+            return f"{name or 'the model'} has forward hooks, which it would not run"
+    layers = model.model.layers
+    modules = [(f"model.layers.{i}.{p}", layer.get_submodule(p), torch.nn.Linear)
+               for i, layer in enumerate(layers) for p in _PROJECTIONS]
+    modules += [("the input embeddings", model.get_input_embeddings(), torch.nn.Embedding),
+                ("the output head", model.get_output_embeddings(), torch.nn.Linear)]
+    for name, module, kind in modules:
+        if type(module) is not kind:
+            return f"{name} is a {type(module).__name__}, not a {kind.__module__}.{kind.__name__}"
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{w}" for i in range(len(layers)) for w in _LAYER_WEIGHTS}
+    extra = sorted(set(model.state_dict()) - expected)
+    if extra:
+        return f"it has weights the native runner would not read ({', '.join(extra[:3])}{', ...' * (len(extra) > 3)})"
+    return None
+
+
 DEBUG_CHECKS = os.environ.get("CSD_DEBUG") == "1"
 # Matmul rows per block in batch-invariant mode. On this CPU (Qwen 1.5B, bf16, batch 1) 16 rows
 # cost 1.44x a 1-token forward and 1.17x a 9-token one; 4-row blocks are free up to 4 tokens but
@@ -112,7 +146,7 @@ class LlamaRunner(Runner):
                 warnings.warn("quantize='int8' on CUDA runs torch's one-thread-per-output int8 kernel: a forward "
                               "took 8.7-85x the bf16 one on an H100 (docs/measurements.md, GPU); 'int4' took 0.5x",
                               stacklevel=ops.caller_stacklevel())
-        reason = unsupported(cfg)
+        reason = unsupported(cfg) or nonstock(hf_model)
         if reason:
             raise ValueError(f"the native runner cannot run this model: {reason} (the generic runner can: native=False)")
         self.attention_window = attention_window(cfg)

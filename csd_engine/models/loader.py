@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 import torch
 
 from csd_engine.models.hf import HFRunner
-from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner, unsupported
+from csd_engine.models.llama import NATIVE_MODEL_TYPES, LlamaRunner, nonstock, unsupported
 from csd_engine.models.quant import parse_scheme
 from csd_engine.models.runner import Runner
 
@@ -209,7 +209,7 @@ def load_runner(spec, device, dtype: torch.dtype, native: bool | None = None,
     else:
         raise TypeError(f"a model must be a path, hub id, zoo name, transformers model or Runner; got {type(spec).__name__}")
     model_type = model.config.model_type
-    reason = unsupported(model.config) if model_type in NATIVE_MODEL_TYPES else None
+    reason = unsupported(model.config) or nonstock(model) if model_type in NATIVE_MODEL_TYPES else None
     if native is True and (model_type not in NATIVE_MODEL_TYPES or reason):
         raise ValueError(f"the native runner supports {NATIVE_MODEL_TYPES}, not {model_type!r}" if not reason else
                          f"the native runner cannot run this model: {reason} (the generic runner can: native=False)")

@@ -23,6 +23,14 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def without_autocast(device: torch.device):
+    """A caller's torch.autocast switched off inside (on `device`'s type and the CPU): the
+    engine's forwards compute in its dtype, whose caches they write, not in the caller's."""
+    with torch.autocast(device.type, enabled=False), torch.autocast("cpu", enabled=False):
+        yield
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [B, n] int64
