@@ -3,9 +3,9 @@
 Each step decodes only a window: the tokens since the last text it could settle, with the
 settled step's tokens before them as context (decoding a window alone would change how its
 first token spaces or joins), so a step costs the same however long the output is. Text is
-settled only when it does not end in U+FFFD (an incomplete UTF-8 sequence, to be completed by
-the next tokens), or, for a U+FFFD the model meant, once three more tokens that carry bytes (not
-special ones) leave it in place.
+settled up to the last token where it does not end in U+FFFD (an incomplete UTF-8 sequence, to
+be completed by the next tokens), or, for a U+FFFD the model meant, once three more tokens that
+carry bytes (not special ones) leave it in place.
 Deltas handed out also hold back the last `len(longest stop) - 1` characters, which may be the
 start of a stop string, so the deltas, concatenated, are exactly the final text.
 """
@@ -50,17 +50,21 @@ class IncrementalText:
             self.text += piece
             self.prefix, self.read = self.read, len(ids)
             return
-        # A U+FFFD followed by three tokens that carry bytes is settled where the text up to them
-        # stays a prefix: its characters had every byte they can have (a real U+FFFD, or invalid bytes).
-        end, carrying = len(ids), 0
-        while end > self.read and carrying < MAX_CONTINUATION_TOKENS:
-            end -= 1
-            carrying += ids[end] not in self.special
-        if carrying == MAX_CONTINUATION_TOKENS and end > self.read:
+        # The longest run of the new tokens whose text is settled: one that does not end in U+FFFD
+        # (a step that stops inside a character holds back that character only), or one whose
+        # U+FFFD three tokens that carry bytes follow (its characters had every byte they can have:
+        # a real U+FFFD, or invalid bytes), where the text up to it stays a prefix.
+        bound, carrying = len(ids), 0
+        while bound > self.read and carrying < MAX_CONTINUATION_TOKENS:
+            bound -= 1
+            carrying += ids[bound] not in self.special
+        bound = bound if carrying == MAX_CONTINUATION_TOKENS else self.read
+        for end in range(len(ids) - 1, self.read, -1):
             head = self._piece(ids, end)
-            if head and piece.startswith(head):
+            if head and piece.startswith(head) and (not head.endswith(REPLACEMENT) or end <= bound):
                 self.text += head
                 self.prefix, self.read = self.read, end
+                return
 
     def stop_at(self, ids: list[int]) -> int | None:
         """If the settled text now holds a stop string: return how many tokens to keep and cut the

@@ -142,7 +142,7 @@ class ReplacementTokenizer:
 def test_a_real_replacement_character_streams_three_tokens_late():
     """A U+FFFD the model emits is not an unfinished character: the text settles once three more
     tokens (as many as a UTF-8 character can still need) leave it in place, step by step, while
-    a split 'é' is still held until its second byte."""
+    a split 'é' is held until its second byte, and only it: the 'a' before it goes out."""
     text = IncrementalText(ReplacementTokenizer())
     out = []
     for step in range(12):
@@ -152,11 +152,28 @@ def test_a_real_replacement_character_streams_three_tokens_late():
         assert text.read >= len(out) - 3
     out += [1, 2]
     text.update(out)
-    assert "a" not in text.text  # 'a' and the first byte of 'é' are held: 'é' is not complete yet
+    assert text.text == "\ufffd" * 12 + "a"  # the first byte of 'é' is held, not the 'a' before it
     out.append(3)
     text.update(out)
     assert text.text == "\ufffd" * 12 + "aé"
 
+
+
+class SplitEmojiTokenizer(ReplacementTokenizer):
+    """Tokens: ' ', then the first two and the last two bytes of U+1FAE0 (a four-byte emoji), 'x'."""
+
+    pieces = [b" ", b"\xf0\x9f", b"\xab\xa0", b"x"]
+
+
+def test_a_step_that_ends_inside_a_character_holds_back_that_character_only():
+    """A step whose tokens end with half an emoji streams the text before it at once (it had
+    waited, whole, for the emoji's last bytes); the deltas add up to the final text."""
+    text, deltas = IncrementalText(SplitEmojiTokenizer()), []
+    for ids, settled in (([3, 0, 1], "x "), ([3, 0, 1, 2], "x \U0001fae0"), ([3, 0, 1, 2, 3, 1], "x \U0001fae0x")):
+        text.update(ids)
+        assert text.text == settled and "\ufffd" not in text.text
+        deltas.append(text.delta(final=False))
+    assert deltas == ["x ", "\U0001fae0", "x"]
 
 def test_deltas_hold_back_only_what_may_start_a_stop_string():
     """Without stop strings a step's settled text goes out whole; with them, only the last
