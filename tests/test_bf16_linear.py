@@ -227,6 +227,7 @@ def test_an_int8_layer_takes_the_kernel_where_it_runs_and_torchs_op_elsewhere(fo
     w, x = torch.randn(24, 64, generator=g).to(torch.bfloat16), torch.randn(5, 64, generator=g).to(torch.bfloat16)
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # AMX has native bf16 too
     ops.bf16_kernel_pays.cache_clear()
     try:
         layer = quantize_weight(w, "int8", dense_rows=8)  # 5 rows: the packed op, not the dense copy

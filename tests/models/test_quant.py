@@ -262,6 +262,7 @@ def test_a_drafters_dense_copies_take_over_sooner_where_the_bf16_kernel_runs(for
     from csd_engine.models.quant import DRAFTER_DENSE_ROWS, drafter_dense_rows
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # AMX has native bf16 too
     ops.bf16_kernel_pays.cache_clear()
     try:
         kernel = ops.bf16_kernel_pays() and not native_bf16

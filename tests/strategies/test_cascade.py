@@ -615,6 +615,7 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
     target, d1, _ = models
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # AMX has native bf16 too
     ops.bf16_kernel_pays.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):
