@@ -94,7 +94,8 @@ class Body:
     def __init__(self, body, allowed: set[str]):
         if not isinstance(body, dict):
             raise _bad(None, f"the request body must be a JSON object, got {_show(body)}")
-        unknown = sorted(set(body) - allowed - set(NEUTRAL))
+        # null is "not given" in OpenAI's API (clients send `"tools": null`): only a value is refused
+        unknown = sorted(name for name in set(body) - allowed - set(NEUTRAL) if body[name] is not None)
         if unknown:
             raise _bad(unknown[0], f"unknown field {unknown[0]!r}; fields: {', '.join(sorted(allowed | set(NEUTRAL)))}")
         for name, neutral in NEUTRAL.items():
@@ -208,6 +209,11 @@ def chat_messages(body: Body) -> list[dict]:
                                       and isinstance(p.get("text"), str) for p in content):
                 raise _bad("messages", f"{where}.content: a list must hold text parts ({{\"type\": \"text\", "
                                        f"\"text\": ...}}), at least one, got {_show(content)}")
+            extra = next((f"[{j}].{sorted(set(p) - {'type', 'text'})[0]}" for j, p in enumerate(content)
+                          if set(p) - {"type", "text"}), None)
+            if extra:  # an image_url, cache_control...: refused rather than dropped
+                raise _bad("messages", f"{where}.content{extra} is not supported: a text part has a type and a "
+                                       "text only")
             content = "\n".join(p["text"] for p in content)
         elif content is None and message["role"] != "assistant":
             raise _bad("messages", f"{where}.content is required in a {message['role']} message (a string or a "
@@ -604,10 +610,20 @@ def build_app(async_engine, model_name: str) -> FastAPI:
         arrival = time.perf_counter()
         return await _unless_disconnected(request, generate(await _json_body(request), True, arrival))
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "csd_engine",
+                "max_model_len": server.max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "csd_engine", "max_model_len": server.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # a name may hold slashes (a hub id, a folder)
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} not found; this server serves {model_name!r}", "model",
+                           code="model_not_found")
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -261,6 +261,10 @@ BAD = [  # (endpoint, body, status, the field named)
     ("chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "image_url": {
+        "url": "http://x/cat.png"}}]}]}, 400, "messages"),  # not dropped: the part has a type and a text only
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * MAX_SEQ_LEN}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
@@ -289,7 +293,13 @@ def test_bad_requests_get_their_status_and_name_the_field(server):
             assert response.status_code == status and path in response.json()["error"]["message"]
         assert "max_seq_len=96" in http.post("/v1/completions", json={"prompt": "x" * MAX_SEQ_LEN}).text
         models = http.get("/v1/models").json()
-        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert [m["id"] for m in models["data"]] == ["tiny"] and http.get("/v1/models/tiny").json() == models["data"][0]
+        response = http.get("/v1/models/org/other")
+        assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+        # null is "not given" in OpenAI's API, for a field the server does not take too
+        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2, "tools": None, "response_format": None})
+        assert response.status_code == 200, response.text
         response = http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3})
         assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 3
 
