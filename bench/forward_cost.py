@@ -19,9 +19,13 @@ every width alike instead of bending the curve. A new
 path (a quantized or early-exit drafter, say) is one more entry in PATHS; "native,
 batch-invariant" is the runner of Engine(batch_invariant=True), to price that mode; "native,
 PyTorch ops" the runner without its fused ops (fused=False: on the CPU the C++ layer ops of
-csrc/decode_cpu.cpp, drafters too). Prints a table and
+csrc/decode_cpu.cpp, drafters too); "native, torch matmul" the runner with csd_engine's bf16
+CPU kernel switched off (CSD_BF16_LINEAR=0: torch's matmul, oneDNN's, for every width), to
+see where the kernel pays on a CPU. Prints a table and
 writes bench/results/forward-cost-*.json.
 """
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.common import print_table  # noqa: E402
+from csd_engine import ops  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
 from csd_engine.models.loader import load_runner, split_spec  # noqa: E402
 from csd_engine.models.quant import drafter_dense_rows  # noqa: E402
@@ -55,6 +60,33 @@ def native(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int, batch_in
     return forward
 
 
+@contextlib.contextmanager
+def bf16_kernel(enabled: bool):
+    """csd_engine's bf16 CPU kernel on or off inside (CSD_BF16_LINEAR), as it was afterwards."""
+    before = os.environ.get("CSD_BF16_LINEAR")
+    os.environ["CSD_BF16_LINEAR"] = "1" if enabled else "0"
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CSD_BF16_LINEAR"]
+        else:
+            os.environ["CSD_BF16_LINEAR"] = before
+        ops.bf16_kernel_pays.cache_clear()
+
+
+def torch_matmul(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int):
+    """The native runner with every bf16 matmul on torch's op (the kernel off for its calls)."""
+    with bf16_kernel(False):
+        forward = native(model, dtype, prefix, max_n)
+
+    def off(ids):
+        with bf16_kernel(False):
+            return forward(ids)
+    return off
+
+
 def transformers_dynamic(model, dtype: torch.dtype, prefix: torch.Tensor, max_n: int):
     """transformers' own forward with its dynamic cache, cropped back to the prefix after each call."""
     context, cache = prefix.shape[1], DynamicCache()
@@ -74,6 +106,7 @@ PATHS = {
     "native": ("native", native),
     "invariant": ("native, batch-invariant", lambda *a: native(*a, batch_invariant=True)),
     "plain": ("native, PyTorch ops", lambda *a: native(*a, fused=False)),  # no fused norm / RoPE / attention ops
+    "torch-matmul": ("native, torch matmul", torch_matmul),
     "hf": ("transformers", transformers_dynamic),
 }
 

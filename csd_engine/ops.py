@@ -199,12 +199,13 @@ if HAS_EXTENSION:
 
 @functools.cache
 def bf16_kernel_pays() -> bool:
-    """Whether dense_linear takes the extension's bf16 kernel on the CPU: on x86 CPUs with AVX2
-    and without AMX (not measured there). Without native bf16 arithmetic torch's bf16 matmul
-    reads the weight once per row of x (a 5-row call cost 4.8x a 1-row call on a 2-core AVX2
-    EPYC; the kernel: 1.7x); with avx512_bf16 its oneDNN path streams the weights at ~30 GB/s
-    where the kernel's AVX-512 tiles reached 35-56 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP
-    weights; docs/measurements.md). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
+    """Whether dense_linear takes the extension's bf16 kernel on the CPU: on x86 CPUs with AVX2.
+    Without native bf16 arithmetic torch's bf16 matmul reads the weight once per row of x (a
+    5-row call cost 4.8x a 1-row call on a 2-core AVX2 EPYC; the kernel: 1.7x); with avx512_bf16
+    its oneDNN path streams the weights at ~30 GB/s where the kernel's AVX-512 tiles reached
+    35-56 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP weights); with AMX (a 2-core Sapphire
+    Rapids Xeon) a Qwen 1.5B one-token forward took 126 ms on the kernel against torch's 237
+    (docs/measurements.md). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
     forced = os.environ.get("CSD_BF16_LINEAR")
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"CSD_BF16_LINEAR must be 1 (use csd_engine's bf16 CPU kernel) or 0 (torch's), got {forced!r}")
@@ -212,7 +213,7 @@ def bf16_kernel_pays() -> bool:
         return False
     if forced:
         return forced == "1"
-    return torch.cpu._is_avx2_supported() and not torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_avx2_supported()
 
 
 def kernel_without_native_bf16() -> bool:
@@ -247,6 +248,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # a 16-token direct draft) stays on the kernel, whose rows do not depend on the call's, so greedy
 # speculative decoding at batch 1 emits plain decoding's tokens exactly (its 17-row forward 173 ms
 # against torch's 159; 24 rows 238 against 186, 33 rows 319 against 218; ad hoc, in-process, interleaved).
+# With AMX (2-core Sapphire Rapids Xeon) torch's side is flat to 13 rows and the kernel costs more past
+# 6 (its 9-row forward 309 ms against 252), but the same bound keeps a batch-1 step exact there too.
 NATIVE_BF16_KERNEL_MAX_ROWS = 17
 
 

@@ -40,6 +40,12 @@ KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.0), (3, 1.07), (4, 1.13), (5, 1.36), (6, 1
 # min 1.11x, kept at 3's). A one-token forward is half of oneDNN's there, wide ones cost the same.
 AVX512_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.1), (3, 1.1), (5, 1.12), (7, 1.49), (9, 1.65), (11, 1.85),
                              (13, 2.24), (17, 2.68))
+# The same on a CPU with AMX, where the kernel's one-token forward is 0.56x torch's (oneDNN's AMX
+# tiles, flat to 13 tokens) but its wide ones cost more: the Qwen 1.5B on a 2-core Sapphire Rapids
+# Xeon, 300 tokens of context, median of 5 (bench/measured/forward-cost-qwen-bf16-amx-kernel-vs-torch-cpu-2026-12-01.json)
+# averaged with an ad hoc interleaved run of the same widths (docs/measurements.md).
+AMX_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.09), (3, 1.16), (4, 1.22), (5, 1.36), (7, 2.02), (9, 2.17), (13, 3.28),
+                          (17, 3.61))
 
 # A float32 target on the CPU whose weights stream from memory (torch's matmuls: a one-token forward
 # takes the matrix-vector path, every wider one the matrix-matrix path, which costs about twice as
@@ -68,16 +74,17 @@ def on_kernel_with_native_bf16(models: Models) -> bool:
 def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tensor:
     """[n + 1] float32 on the models' device: a forward over w tokens relative to a one-token
     forward, for w = 0..n (0 costs as 1). 1 + width_cost (w - 1) where width_cost is given; else
-    the platform's: KERNEL_WIDTH_COSTS or AVX512_KERNEL_WIDTH_COSTS (interpolated, extended at its
-    last slope) where csd_engine's bf16 kernel runs the target, FLOAT32_CPU_WIDTH_COSTS for a
+    the platform's: KERNEL_WIDTH_COSTS, AVX512_KERNEL_WIDTH_COSTS or AMX_KERNEL_WIDTH_COSTS
+    (interpolated, extended at its last slope) where csd_engine's bf16 kernel runs the target, FLOAT32_CPU_WIDTH_COSTS for a
     float32 target on the CPU of STREAMED_WEIGHT_BYTES or more, 1 + 0.02 (w - 1) elsewhere
     (torch's bf16 matmul on the AVX-512 EPYC, bench/draft_policy.py's timing: 9 / 17 tokens
     1.15-1.18 / 1.35-1.44x one, the line 1.16 / 1.32; a GPU's forward is flat far wider)."""
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
     float32_cpu = (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.float32
                    and (getattr(models.target, "weight_bytes", None) or 0) >= STREAMED_WEIGHT_BYTES)
+    native_bf16_curve = AMX_KERNEL_WIDTH_COSTS if torch.cpu._is_amx_tile_supported() else AVX512_KERNEL_WIDTH_COSTS
     curve = KERNEL_WIDTH_COSTS if on_bf16_kernel(models) else \
-        AVX512_KERNEL_WIDTH_COSTS if on_kernel_with_native_bf16(models) else \
+        native_bf16_curve if on_kernel_with_native_bf16(models) else \
         FLOAT32_CPU_WIDTH_COSTS if float32_cpu else None
     if width_cost is None and curve is not None:
         x, y = (torch.tensor(v, dtype=torch.float64) for v in zip(*curve))

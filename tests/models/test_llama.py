@@ -133,7 +133,7 @@ def test_fused_kernels_give_the_plain_path_logits(dtype):
 
 
 @pytest.mark.skipif(not (ops.cpu_layer_ops_run() and ops.bf16_kernel_pays()),
-                    reason="needs csd_engine's CPU layer ops and bf16 kernel (x86 with AVX2, no AMX)")
+                    reason="needs csd_engine's CPU layer ops and bf16 kernel (x86 with AVX2)")
 @pytest.mark.parametrize("make", [lambda: tiny_llama(seed=4, hidden=256, heads=4, kv_heads=2),
                                   lambda: tiny_qwen2(seed=3, hidden=256, heads=8, kv_heads=2)],
                          ids=["llama", "qwen2"])

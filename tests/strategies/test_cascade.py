@@ -643,6 +643,29 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
         Cascade.auto(width_cost=-0.1)
 
 
+
+def test_the_kernel_runs_on_a_cpu_with_amx_and_width_is_priced_by_its_curve(models, monkeypatch):
+    """With AMX (a Sapphire Rapids Xeon: the kernel's one-token forward 0.56x torch's, its wide ones
+    dearer) the kernel runs by default and the auto strategies price width by
+    budget.AMX_KERNEL_WIDTH_COSTS."""
+    from csd_engine import ops
+    target, d1, _ = models
+    monkeypatch.delenv("CSD_BF16_LINEAR", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    ops.bf16_kernel_pays.cache_clear()
+    try:
+        assert ops.bf16_kernel_pays() == ("cpu" in ops._BF16_LINEAR_DEVICES) and not ops.kernel_without_native_bf16()
+        if not ops.bf16_kernel_pays():
+            pytest.skip("the extension's bf16 kernel is not built here")
+        engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=torch.bfloat16)
+        costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
+        assert costs[:10].tolist() == pytest.approx([1, 1, 1.09, 1.16, 1.22, 1.36, 1.69, 2.02, 2.095, 2.17], abs=1e-4)
+    finally:
+        monkeypatch.undo()
+        ops.bf16_kernel_pays.cache_clear()
+
 def test_auto_prices_a_float32_target_that_streams_its_weights_by_the_float32_curve(models, monkeypatch):
     """A float32 target on the CPU whose weights stream from memory pays about twice a one-token
     forward for any wider one (torch's matrix-matrix path): the auto strategies price width by

@@ -287,7 +287,7 @@ def test_every_drafted_token_is_verified_with_its_proposal(models, name):
 
 
 @pytest.mark.skipif(not (ops.cpu_layer_ops_run() and ops.bf16_kernel_pays()),
-                    reason="needs csd_engine's CPU layer ops and bf16 kernel (x86 with AVX2, no AMX)")
+                    reason="needs csd_engine's CPU layer ops and bf16 kernel (x86 with AVX2)")
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "autoregressive"])
 def test_bf16_greedy_output_is_plain_decodings_exactly(models, name):
     """A bf16 model on the CPU, default engine (not batch_invariant), batch 1: every strategy's
