@@ -7,7 +7,7 @@ import torch
 from csd_engine import Autoregressive, Engine, SamplingParams, Speculative
 from csd_engine.models.hf import HFRunner
 from csd_engine.models.llama import LlamaRunner
-from tests.tiny_models import random_prompts, tiny_gpt2, tiny_llama
+from tests.tiny_models import hf_greedy, random_prompts, tiny_gpt2, tiny_llama
 
 PROMPTS = random_prompts(3, seed=1)
 PARAMS = SamplingParams(max_new_tokens=8)
@@ -15,14 +15,6 @@ PARAMS = SamplingParams(max_new_tokens=8)
 
 def _tokens(engine, strategy=None):
     return [r.token_ids for r in engine.generate(PROMPTS, PARAMS, strategy=strategy)]
-
-
-def _hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("native", [None, False])
@@ -87,7 +79,7 @@ def test_a_model_the_native_runner_would_not_compute_runs_on_the_generic_one():
                          (hooked, r"lm_head has forward hooks")):
         engine = Engine(model, drafters=["mag"], max_batch_size=3, max_seq_len=64)
         assert isinstance(engine.target, HFRunner)
-        assert _tokens(engine, Speculative(k=3)) == [_hf_greedy(model, p, 8) for p in PROMPTS]
+        assert _tokens(engine, Speculative(k=3)) == [hf_greedy(model, p, 8) for p in PROMPTS]
         with pytest.raises(ValueError, match=rf"native runner cannot run this model: {words}"):
             Engine(model, max_batch_size=1, native=True)
     recorded = tiny_llama(seed=4)
@@ -100,7 +92,7 @@ def test_a_model_in_training_mode_decodes_in_eval_and_stays_in_training():
     without dropout while it decodes, and with every module's mode as the caller left it
     afterwards, so a training loop that samples with the engine keeps training with dropout."""
     model = tiny_gpt2(seed=1)
-    expected = [_hf_greedy(model.eval(), p, 8) for p in PROMPTS]
+    expected = [hf_greedy(model.eval(), p, 8) for p in PROMPTS]
     model.train()
     model.transformer.h[0].eval()  # a module the caller keeps in eval
     modes = {name: m.training for name, m in model.named_modules()}

@@ -61,3 +61,12 @@ def random_prompts(n, lo=2, hi=12, vocab=VOCAB, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def hf_greedy(model, prompt, n):
+    """transformers' own greedy continuation of `prompt` (n tokens, no end token): the reference."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

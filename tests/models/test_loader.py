@@ -10,7 +10,7 @@ from csd_engine import Engine, SamplingParams
 from csd_engine.models import zoo
 from csd_engine.models.llama import LlamaRunner
 from csd_engine.models.loader import _split_revision, eos_token_ids, load_runner
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import hf_greedy, tiny_llama
 
 
 class _Tokenizer:
@@ -59,14 +59,6 @@ def test_a_gguf_path_loads_like_the_zoo_folder():
     assert results[0].token_ids == results[1].token_ids and results[0].text == results[1].text
 
 
-def _hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_what_the_native_runner_cannot_compute_goes_to_the_generic_one_or_is_refused():
     """A GELU MLP on a native architecture (dynamic RoPE: below): the generic runner, whose
     greedy tokens are transformers' own (the native one silently diverged); native=True names
@@ -82,7 +74,7 @@ def test_what_the_native_runner_cannot_compute_goes_to_the_generic_one_or_is_ref
         engine = Engine(model, max_batch_size=1, max_seq_len=48)
         assert isinstance(engine.target, HFRunner)
         prompt = [5, 9, 2, 7]
-        assert engine.generate([prompt], SamplingParams(max_new_tokens=30))[0].token_ids == _hf_greedy(model, prompt, 30)
+        assert engine.generate([prompt], SamplingParams(max_new_tokens=30))[0].token_ids == hf_greedy(model, prompt, 30)
         with pytest.raises(ValueError, match=words):
             Engine(model, max_batch_size=1, max_seq_len=48, native=True)
 
@@ -105,7 +97,7 @@ def test_a_sliding_window_bounds_max_seq_len():
             engine = Engine(model, max_batch_size=1, max_seq_len=64, native=native)
             prompt = [3, 1, 4, 1, 5]
             assert engine.generate([prompt], SamplingParams(max_new_tokens=20))[0].token_ids == \
-                _hf_greedy(model, prompt, 20)
+                hf_greedy(model, prompt, 20)
 
 
 def test_a_learned_position_table_bounds_max_seq_len():
@@ -160,7 +152,7 @@ def test_a_path_object_and_a_broken_gguf(tmp_path):
     model = tiny_llama(seed=2)
     model.save_pretrained(tmp_path / "tiny")
     engine = Engine(tmp_path / "tiny", drafters=tmp_path / "tiny", max_batch_size=1, max_seq_len=32)
-    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == _hf_greedy(model, [1, 2, 3], 4)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
     broken = tmp_path / "cut.GGUF"  # a header cut short (and the extension in capitals)
     broken.write_bytes(zoo.fetch_gguf("smollm2-135m").read_bytes()[:100])
     with pytest.raises(ValueError, match=r"cut\.GGUF' is not a model"):
@@ -235,7 +227,7 @@ def test_rope_that_changes_with_length_bounds_max_seq_len(rope):
         Engine(model, max_batch_size=1, max_seq_len=limit + 1)
     prompt = ([5, 9, 2, 7, 3] * 40)[:limit - 30]  # repetitive: MaG's drafts reach into the headroom
     params = SamplingParams(max_new_tokens=40)
-    expected = _hf_greedy(model, prompt, 30)
+    expected = hf_greedy(model, prompt, 30)
     for native, runner in ((None, LlamaRunner), (False, HFRunner)):
         engine = Engine(model, drafters=["mag"], max_batch_size=1, native=native)
         assert engine.max_seq_len == limit and isinstance(engine.target, runner)
@@ -281,7 +273,7 @@ def test_architectures_that_read_masks_otherwise_decode_exactly():
         engine = Engine(model, drafters=[perturbed(model, noise=0.1, seed=5)], max_batch_size=2, max_seq_len=96,
                         verify_backend="torch")
         plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
-        assert plain == [_hf_greedy(model, p, 12) for p in prompts], type(model).__name__
+        assert plain == [hf_greedy(model, p, 12) for p in prompts], type(model).__name__
         assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=4))] == plain
 
 

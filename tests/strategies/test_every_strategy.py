@@ -450,8 +450,8 @@ def test_sampling_with_a_drafter_without_the_targets_padding_rows_follows_the_ta
 def test_a_padded_drafter_behind_a_graphed_runner_and_runners_passed_again():
     """The outermost runner pads (a GraphedRunner takes the wrapped runner's vocab_pad: its
     non-finite check reads the model's own rows, not the -inf ones); a runner passed to a later
-    engine gets that engine's padding, none included; a drafter listed twice leaves the next
-    drafter its cache."""
+    engine gets that engine's padding, none included; a drafter listed twice is refused (its
+    two roles would share one cache)."""
     from csd_engine.models.graphs import GraphedRunner
     target = tiny_llama(seed=41, vocab=VOCAB + 24)
     drafter, _ = load_runner(perturbed(shrunk(target, VOCAB), noise=0.2, seed=42), "cpu", torch.float32)
@@ -475,5 +475,5 @@ def test_a_padded_drafter_behind_a_graphed_runner_and_runners_passed_again():
         assert [r.token_ids for r in turn.generate(prompts, params, strategy=Speculative(k=3))] == \
             [r.token_ids for r in turn.generate(prompts, params, strategy=Autoregressive())], turn
     a, b = load_runner(small, "cpu", torch.float32)[0], load_runner(perturbed(small, 0.1), "cpu", torch.float32)[0]
-    Engine(small, drafters=[a, a, b], max_batch_size=1, max_seq_len=32)
-    assert b.cache is not None
+    with pytest.raises(ValueError, match="drafter 1 is the same LlamaRunner object as drafter 0"):
+        Engine(small, drafters=[a, a, b], max_batch_size=1, max_seq_len=32)  # two roles, one cache
