@@ -202,8 +202,8 @@ class Engine:
 
     def _sequence_limit(self, requested: int | None) -> int:
         """max_seq_len as asked, or by default DEFAULT_MAX_SEQ_LEN or less where a model's limit or
-        trained positions come first (asked past those, a warning). A sliding window: full attention (csd_engine's) equals the window's while the
-        sequence and its drafts' HEADROOM fit in it. A learned position table, or rotary frequencies
+        trained positions come first (asked past those, a warning). A sliding window: full attention
+        (csd_engine's) equals the window's while the sequence and its drafts' HEADROOM fit in it. A learned position table, or rotary frequencies
         that change past a length (runner.position_limit): no position past it."""
         limits, trained = [], []
         for name, runner in zip(["the target"] + [f"drafter {i}" for i in range(len(self.drafters))],
