@@ -695,12 +695,14 @@ def _prefill_groups(run: tuple[int, int], lengths: dict) -> list[tuple[int, int]
     short neighbours prefill its length (the step's time, which is their time to first token,
     and its memory), while short prompts still share one forward (one read of the weights)."""
     groups, lo = [], run[0]
+    longest = real = lengths[lo]  # of the group so far: one pass, not a sum per row (thousands admitted at once)
     for row in range(run[0] + 1, run[1]):
-        rows = range(lo, row + 1)
-        padded, real = max(lengths[r] for r in rows) * len(rows), sum(lengths[r] for r in rows)
-        if padded - real > real / 2 + PREFILL_SLACK * len(rows):
+        n, grown_longest, grown_real = row + 1 - lo, max(longest, lengths[row]), real + lengths[row]
+        if grown_longest * n - grown_real > grown_real / 2 + PREFILL_SLACK * n:
             groups.append((lo, row))
-            lo = row
+            lo, longest, real = row, lengths[row], lengths[row]
+        else:
+            longest, real = grown_longest, grown_real
     return groups + [(lo, run[1])]
 
 

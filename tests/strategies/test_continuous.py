@@ -471,3 +471,28 @@ def test_short_prompts_are_not_prefilled_to_a_long_neighbours_length(monkeypatch
     together = [r.token_ids for r in engine.generate(prompts, params)]
     assert calls == [(0, 1, 499), (1, 4, 11)]
     assert together == [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_prefill_groups_follow_their_rule_on_random_lengths():
+    """The one-pass grouping splits exactly where the rule says: a row starts a new group when
+    adding it would pad the group by more than half its real tokens plus PREFILL_SLACK a row."""
+    from csd_engine.scheduler import PREFILL_SLACK, _prefill_groups
+
+    def by_the_rule(run, lengths):
+        groups, lo = [], run[0]
+        for row in range(run[0] + 1, run[1]):
+            rows = range(lo, row + 1)
+            padded, real = max(lengths[r] for r in rows) * len(rows), sum(lengths[r] for r in rows)
+            if padded - real > real / 2 + PREFILL_SLACK * len(rows):
+                groups.append((lo, row))
+                lo = row
+        return groups + [(lo, run[1])]
+
+    gen = torch.Generator().manual_seed(0)
+    for case in range(300):
+        lo = int(torch.randint(0, 5, (1,), generator=gen))
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        top = [4, 100, 1000][case % 3]
+        lengths = {lo + i: int(torch.randint(0, top, (1,), generator=gen)) for i in range(n)}
+        assert _prefill_groups((lo, lo + n), lengths) == by_the_rule((lo, lo + n), lengths)
+    assert len(_prefill_groups((0, 3), {0: 500, 1: 3, 2: 2})) == 2  # the rule splits at all here
