@@ -15,8 +15,9 @@ def is_number(value) -> bool:
 
 
 def is_integral(value) -> bool:
-    """A Python or NumPy integer, not a bool (a token id, a seed)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """A Python or NumPy integer, not a bool (a token id, a seed); a plain int without the ABC
+    check (it runs on every prompt token)."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def is_unicode(text: str) -> bool:
