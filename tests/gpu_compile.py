@@ -76,7 +76,8 @@ def install(archs: list[int], log: str | None = None) -> None:
         if log:
             with open(log, "a") as f:
                 f.write(json.dumps({"kernel": fn.fn.__name__, "module": fn.fn.__module__, "arch": arch,
-                                    "cubin_bytes": len(kernel.asm["cubin"]), "shared_bytes": shared}) + "\n")
+                                    "cubin_bytes": len(kernel.asm["cubin"]), "shared_bytes": shared,
+                                    "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}) + "\n")
 
     def run(self, *args, grid, warmup, **kwargs):
         on_gpu = {**kwargs, **{name: value for name, value in GPU_CONSTEXPRS.items() if name in kwargs}}
