@@ -58,6 +58,9 @@ class DecodeState:
     want_logprobs: bool = False  # some row asked for its tokens' log-probabilities (host-known)
     metrics: "StepMetrics | None" = None  # the scheduler allocates it (StepMetrics.zeros)
     plan: torch.Tensor | None = None  # [C, B] int64: the plan the next step follows, by column (follow_plan)
+    # what the decoder carries per row from one step to the next (Decoder.start makes it, its
+    # step and admit update it); kept with the state, so step graphs read these very tensors
+    carried: object = None
 
     @property
     def batch(self) -> int:
@@ -222,7 +225,8 @@ class Decoder:
     step_graphs: bool = True  # False: the step is not one stream's device work, never captured
 
     def start(self, state: DecodeState) -> None:
-        """Once per decode state, before any request: allocate per-row buffers beside it."""
+        """Once per scheduler, before any request: the per-row state the decoder carries
+        between steps (`state.carried`; a kept state may hold it already) and its metrics."""
 
     def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
         """New requests took `rows` ([B] bool; their settings are in `state`): forget what the

@@ -31,7 +31,8 @@ step where no row wants one verifies a chain.
 
 Random numbers: a row's review r at drafter d draws from stream 1 + 1024 (d + 1) + r, r
 counted per row, so a row's tokens never depend on what else shares the batch. The seeds of
-every review a step can run are derived once per request, when it is admitted (review_seeds).
+every review a step can run are derived once per request, when it is admitted, and carried
+in the state (`state.carried`: neural drafter -> [B, reviews per step]).
 """
 from dataclasses import dataclass
 
@@ -227,19 +228,18 @@ class CascadeDecoder(Decoder):
         self.key_columns = [True] * n + [s.below is not None for s in self.sources] + [True] + [False] * (count + 1) \
             + [True]
         self._k_rows = {}  # batch size -> _k_tail's two constant rows
-        self.review_seeds = {}  # neural drafter -> [B, reviews per step] each row's review seeds (start / admit)
 
     def start(self, state: DecodeState) -> None:
-        """The review seeds' buffers, kept for a later scheduler of as many rows: the step graphs
-        it replays (the engine keeps them) read these very tensors."""
-        if not self.review_seeds or any(seeds.shape[0] != state.batch for seeds in self.review_seeds.values()):
-            self.review_seeds = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
-                                 for d, streams in self.review_streams.items()}
+        """The review seeds' buffers (state.carried), unless the state kept for a later scheduler
+        holds them: the step graphs it replays read these very tensors."""
+        if state.carried is None:
+            state.carried = {d: torch.zeros(state.batch, len(streams), dtype=torch.int64, device=streams.device)
+                             for d, streams in self.review_streams.items()}
 
     def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
         """The admitted rows' review seeds, from their request seeds (in place: a step graph reads them)."""
         for d, streams in self.review_streams.items():
-            seeds = self.review_seeds[d]
+            seeds = state.carried[d]
             seeds.copy_(torch.where(rows[:, None], stream_seed(state.seed[:, None], streams[None, :]), seeds))
 
     # -- the plan each step reads ---------------------------------------------------------------
@@ -369,7 +369,7 @@ class CascadeDecoder(Decoder):
                                                       dtype=torch.float32, device=dev)
         alt = torch.full((b, len(self.tree), max(self.tree)), -1, dtype=torch.int64, device=dev) if tree else None
         origin = torch.full((b, self.max_width + 1), -1, dtype=torch.int64, device=dev) if self.track_sources else None
-        seeds = None if state.all_greedy else self.review_seeds
+        seeds = None if state.all_greedy else state.carried
         return Working(state.committed + 1, budgets, caps, q, torch.zeros(b, dtype=torch.int64, device=dev), seeds,
                        max(columns[:n]), rounds, width, tree, alt, origin)
 

@@ -135,6 +135,15 @@ def _wait_out(job) -> None:
         raise interrupted
 
 
+@dataclass
+class Carried:
+    """What a PEARL row carries into the next round (DecodeState.carried)."""
+
+    post: torch.Tensor  # [B] bool: the row starts it in post-verify, with γ - 1 drafts carried
+    tokens: torch.Tensor  # [B, γ - 1] those drafts
+    q: torch.Tensor | None  # [B, γ - 1, V] their distributions (None while every row is greedy)
+
+
 class PearlDecoder(Decoder):
     step_graphs = False  # its drafter runs in a worker thread: the step is not one stream's device work
 
@@ -154,36 +163,35 @@ class PearlDecoder(Decoder):
 
     def start(self, state: DecodeState) -> None:
         b, dev = state.batch, state.pending.device
-        self.post = torch.zeros(b, dtype=torch.bool, device=dev)  # row has gamma-1 drafts carried
-        self.carry = torch.zeros(b, self.gamma - 1, dtype=torch.int64, device=dev)
-        self.carry_q = None  # their distributions (None while every row is greedy)
+        state.carried = Carried(torch.zeros(b, dtype=torch.bool, device=dev),
+                                torch.zeros(b, self.gamma - 1, dtype=torch.int64, device=dev), None)
         state.metrics.draft_lengths = torch.zeros(b, self.gamma + 1, dtype=torch.int64, device=dev)
         state.metrics.wait_time_s = {"drafter": 0.0, "target": 0.0}
 
     def admit(self, state: DecodeState, rows: torch.Tensor) -> None:
         """New requests in `rows` ([B] bool) start without carried drafts."""
-        self.post &= ~rows
+        state.carried.post &= ~rows
 
     def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, 1]: 1 where the row starts the next round in post-verify (drafts carried)."""
-        return self.post[:, None].to(torch.int64)
+        return state.carried.post[:, None].to(torch.int64)
 
     def step(self, state: DecodeState, plan) -> StepOutput:
-        g = self.gamma
-        post = self.post & state.active
+        g, carried = self.gamma, state.carried
+        post = carried.post & state.active
         any_post = any(row[0] for row in plan)
         job = self._submit_drafter(state, post, any_post)
         try:
-            target_ids = torch.cat([state.pending[:, None], self.carry], 1) if any_post else state.pending[:, None]
+            target_ids = torch.cat([state.pending[:, None], carried.tokens], 1) if any_post else state.pending[:, None]
             logits = forward_tokens(self.target, state, target_ids, flag_all=False)
             new, new_q = self._join(job, state.metrics, time.perf_counter())
         finally:  # the drafter writes its cache: nothing may go on running after a failed (or interrupted) step
             _wait_out(job)
 
-        drafts = submitted_chain(post, any_post, self.carry, new)
-        carry_q = self.carry_q
+        drafts = submitted_chain(post, any_post, carried.tokens, new)
+        carry_q = carried.q
         if new_q is not None and carry_q is None and any_post:  # carried from a round when every row was greedy
-            carry_q = one_hot(self.carry, new_q.shape[-1]).to(new_q.dtype)
+            carry_q = one_hot(carried.tokens, new_q.shape[-1]).to(new_q.dtype)
         q = None if new_q is None else submitted_chain(post, any_post, carry_q, new_q)
         # The last draft sits at the bonus position: a placeholder row stands for the target
         # output after it, and the bonus drawn from it is never emitted.
@@ -200,9 +208,7 @@ class PearlDecoder(Decoder):
         self.target.cache.advance(counts * state.active)
         dd = self.drafter_device
         self.drafter.cache.rollback(torch.where(whole.to(dd), self.drafter.cache.lengths, (state.committed + counts).to(dd)))
-        self.post = whole & (g > 1)
-        self.carry = new[:, 1:]
-        self.carry_q = None if new_q is None else new_q[:, 1:]
+        state.carried = Carried(whole & (g > 1), new[:, 1:], None if new_q is None else new_q[:, 1:])
         state.offset += g + 1  # drafts drew offset..offset+γ-1, the verifier offset..offset+γ
         m = state.metrics
         m.target_forwards += 1
@@ -229,7 +235,7 @@ class PearlDecoder(Decoder):
         Returns (tokens [B, γ], distributions [B, γ, V] or None, the host time it finished)."""
         side = contextlib.nullcontext() if self.side_stream is None else torch.cuda.stream(self.side_stream)
         with on_device(self.drafter_device), side:  # this thread's current device is not the main one's
-            first = torch.where(post, self.carry[:, -1], state.pending) if any_post else state.pending
+            first = torch.where(post, state.carried.tokens[:, -1], state.pending) if any_post else state.pending
             # Seen from draft_chain, the drafter's cache is the committed prefix and `first` the
             # pending token; a row may be gamma-1 ahead of `committed` (also a finished row).
             # Every tensor moves to the drafter's device (a no-op when it is the target's).
