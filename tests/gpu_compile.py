@@ -21,6 +21,10 @@ from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 
+# The tests that tests/kernels/test_compiles.py reruns with every launch compiled (paths from the
+# repository root). In a run that holds that test they run there only (conftest skips them here):
+# the rerun interprets and checks them as this run would.
+COMPILED_TESTS = ("tests/kernels", "tests/strategies/test_kernel_path.py")
 # shared memory per block (opt-in maximum): A100 (sm_80), H100 / H200 (sm_90)
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 # constexprs a launcher sets otherwise on the CPU than on a GPU: compiled with the GPU's value
