@@ -19,18 +19,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread
     torch.set_num_threads(1)
 
 
-COMPILE_TEST = "tests/kernels/test_compiles.py::test_every_kernel_compiles_for_sm80_and_sm90"
+COMPILE_FILE, COMPILE_TEST = "tests/kernels/test_compiles.py", "test_every_kernel_compiles_for_sm80_and_sm90"
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the items that will run
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    if not os.environ.get("CSD_COMPILE_FOR") and any(item.nodeid == COMPILE_TEST for item in items):
+    compile_check = f"{COMPILE_FILE}::{COMPILE_TEST}"
+    if not os.environ.get("CSD_COMPILE_FOR") and any(item.nodeid == compile_check for item in items):
         from tests.gpu_compile import COMPILED_TESTS
-        rerun = pytest.mark.skip(reason=f"runs in {COMPILE_TEST.split('::')[1]}'s compiled run, checked there")
+        rerun = pytest.mark.skip(reason=f"runs in {COMPILE_TEST}'s compiled run, checked there")
         for item in items:
-            if item.nodeid.startswith(COMPILED_TESTS) and not item.nodeid.startswith(COMPILE_TEST.split("::")[0]):
+            if item.nodeid.startswith(COMPILED_TESTS) and not item.nodeid.startswith(COMPILE_FILE):
                 item.add_marker(rerun)
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 from tests.gpu_compile import COMPILED_TESTS
 
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = {80, 90}
 
 pytestmark = [
