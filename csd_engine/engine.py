@@ -73,6 +73,14 @@ def _checked_device(device, name: str = "device") -> torch.device:
     return device
 
 
+def _indexed(device) -> torch.device:
+    """`device` with the current CUDA device's index where it names none ("cuda": where tensors made
+    on it land), so that it compares equal to the engine's own (`_checked_device`)."""
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
 def _kv_bytes(runner, batch: int, capacity: int) -> int:
     """Bytes of a native runner's static KV cache (keys and values) of `batch` rows of `capacity`
     slots; 0 for a runner whose caches grow as they fill (the generic one)."""
@@ -178,7 +186,9 @@ class Engine:
                          for d in drafters]
         _check_one_role_each([self.target, *self.drafters])
         for i, d in enumerate(self.drafters):
-            if not isinstance(d, MaG) and d.device != self.drafter_device:
+            # a runner built on "cuda" (no index) holds its tensors on the device current then: the
+            # engine's "cuda" resolves to the same index (_checked_device), torch.device equality does not
+            if not isinstance(d, MaG) and _indexed(d.device) != self.drafter_device:
                 raise ValueError(f"drafter {i} is a runner on {d.device}, but the engine puts drafters on "
                                  f"{self.drafter_device} (drafter_device): build it there or pass a model")
         if batch_invariant:

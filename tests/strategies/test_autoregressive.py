@@ -142,6 +142,33 @@ def test_a_cuda_device_is_fixed_to_an_index_that_exists(monkeypatch):
         _checked_device("cuda:2", "drafter_device")
 
 
+def test_a_drafter_runner_built_on_cuda_without_an_index_is_on_the_engines_device(monkeypatch):
+    """A runner built on "cuda" (LlamaRunner(model, "cuda", ...), as tests/models/test_graphs.py's
+    GPU test builds them) sits on the current device, which the engine's "cuda" resolves to:
+    torch.device("cuda") != torch.device("cuda:0"), so a plain comparison refused it. Checked on
+    the CPU with CUDA faked for the engine's drafter_device and the runner's cache kept on the CPU."""
+    from csd_engine.models.llama import LlamaRunner
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    drafter = LlamaRunner(tiny_llama(seed=2), "cpu", torch.float32)
+
+    def allocate_on_the_cpu(batch, capacity):
+        drafter.device = torch.device("cpu")
+        LlamaRunner.allocate(drafter, batch, capacity)
+        drafter.device = torch.device("cuda")
+    drafter.allocate = allocate_on_the_cpu
+    drafter.device = torch.device("cuda")  # as LlamaRunner(model, "cuda", ...) records it
+    engine = Engine(tiny_llama(seed=1), drafters=[drafter], device="cpu", drafter_device="cuda", max_batch_size=1,
+                    max_seq_len=16)
+    assert engine.drafter_device == torch.device("cuda:0") and engine.drafters == [drafter]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"drafter 0 is a runner on cuda, but the engine puts drafters on cuda:0"):
+        Engine(tiny_llama(seed=1), drafters=[drafter], device="cpu", drafter_device="cuda:0", max_batch_size=1,
+               max_seq_len=16)  # "cuda" is cuda:1 now: another device
+
+
 def test_caches_that_do_not_fit_are_refused_with_their_size(monkeypatch):
     """On the CPU, caches larger than the memory available are refused before allocating (zeroing
     them would get the process killed); the allocator's own error ("you tried to allocate N
