@@ -185,6 +185,9 @@ class Engine:
         self.drafters = [maybe_graphed(self._load_drafter(d, native, attention_backend), cuda_graphs)
                          for d in drafters]
         _check_one_role_each([self.target, *self.drafters])
+        if _indexed(self.target.device) != self.device:
+            raise ValueError(f"the target is a runner on {self.target.device}, but the engine runs on {self.device} "
+                             "(device): build it there or pass a model")
         for i, d in enumerate(self.drafters):
             # a runner built on "cuda" (no index) holds its tensors on the device current then: the
             # engine's "cuda" resolves to the same index (_checked_device), torch.device equality does not

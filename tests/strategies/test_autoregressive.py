@@ -169,6 +169,21 @@ def test_a_drafter_runner_built_on_cuda_without_an_index_is_on_the_engines_devic
                max_seq_len=16)  # "cuda" is cuda:1 now: another device
 
 
+def test_a_target_runner_on_another_device_is_refused_by_name(monkeypatch):
+    """A target passed as a runner built on one device, to an engine on another, is refused with
+    both devices named (it would fail later, inside a forward, with a device mismatch)."""
+    from csd_engine.models.llama import LlamaRunner
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    target = LlamaRunner(tiny_llama(seed=1), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"the target is a runner on cpu, but the engine runs on cuda:0 \(device\)"):
+        Engine(target, device="cuda", max_batch_size=1, max_seq_len=16)
+    monkeypatch.undo()  # the same runner on its own device decodes
+    assert Engine(target, device="cpu", max_batch_size=1, max_seq_len=16).generate(
+        [[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids
+
+
 def test_caches_that_do_not_fit_are_refused_with_their_size(monkeypatch):
     """On the CPU, caches larger than the memory available are refused before allocating (zeroing
     them would get the process killed); the allocator's own error ("you tried to allocate N
