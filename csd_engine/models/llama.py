@@ -167,6 +167,7 @@ class LlamaRunner(Runner):
         # None: fused on CUDA (an H100 step 7.8 -> 6.0 ms, docs/measurements.md) and with the C++ ops on a CPU
         self.fused = ((self.device.type == "cuda" and head_dim_ok) or cpu_ops) if fused is None else bool(fused)
         self.cpu_layer_ops = self.fused and cpu_ops
+        self.cpu_attention = cpu_ops  # the extension's attention op exists here (_cpu_attention_op)
         if self.fused and not (head_dim_ok or self.cpu_layer_ops):
             raise ValueError(f"fused=True needs a power-of-two head_dim, this model has {self.head_dim}")
         self.num_params = sum(p.numel() for p in hf_model.parameters())
@@ -283,10 +284,13 @@ class LlamaRunner(Runner):
 
     def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
         """The extension's attention (ops.decode_attention) takes this forward: up to
-        CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) on the CPU, outside batch-invariant
-        mode. It computes each token as it does a token decoded alone after the same keys, so a
-        token's logits do not depend on the forward's width or on its place in a tree."""
-        return self.cpu_layer_ops and not self.row_block and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS
+        CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) on the CPU, with the fused layer
+        ops, and in batch-invariant mode whatever `fused` says. It computes each token as it does
+        a token decoded alone after the same keys, so a token's logits do not depend on the
+        forward's width or on its place in a tree; SDPA's CPU kernel does not promise that (in
+        bf16 on an AVX-512 EPYC a 17-token forward moved a token's logits by 0.03)."""
+        width_invariant = self.cpu_layer_ops or (self.row_block and self.cpu_attention)
+        return bool(width_invariant) and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS
 
     def _one_query_on_cpu(self, n: int) -> bool:
         """One new token per row on the CPU, outside batch-invariant mode, without the extension:
@@ -306,6 +310,13 @@ class LlamaRunner(Runner):
         v = v_all[:, :, :batch.kv_bound]
         if self._one_query_on_cpu(q.shape[1]):
             return one_query_attention(q, k, v, mask)
+        if self.row_block and self.device.type == "cpu" and 1 < q.shape[1] <= CPU_ATTENTION_MAX_TOKENS:
+            # batch-invariant without the extension's op: each token as one decoded alone (SDPA's
+            # CPU kernel computes a query by how many share its call)
+            return torch.cat([self._sdpa(q[:, t:t + 1], k, v, mask[:, :, t:t + 1]) for t in range(q.shape[1])], 1)
+        return self._sdpa(q, k, v, mask)
+
+    def _sdpa(self, q, k, v, mask):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)
