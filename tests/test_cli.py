@@ -115,7 +115,7 @@ def test_json_configs_become_the_strategy_dataclasses():
 
 @pytest.mark.parametrize("config, message", [
     ('{"medusa": {}}', "unknown strategy 'medusa'; strategies: autoregressive, speculative, speculative_auto, cascade, cascade_auto"),
-    ('{"staged": {"k": 3}}', "staged has no option 'k'; its options: branching, drafter, mag_tokens"),
+    ('{"staged": {"k": 3}}', "staged has no option 'k'; its options: branching, drafter, mag_tokens, mag_review"),
     ('{"staged": {"branching": []}}', "Staged.branching must be a non-empty tuple"),
     ('{"cascade": {"k_matrix": [[2, 4], [0, 4]], "lenience": 0.5}}', "Cascade(lenience=...) must be a number >= 1"),
     ('{"pearl": {"gamma": 0}}', "Pearl.gamma must be an int in [1, 64]"),

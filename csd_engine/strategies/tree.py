@@ -7,6 +7,7 @@ the step every tree strategy ends with, whoever built the tree: the target revie
 nodes at once, the accepted path's cache entries move into contiguous slots, and the
 emitted block goes back to the engine.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,8 @@ def with_chain(parents: list[int], under: int, length: int) -> list[int]:
 
 
 def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], tree: TreeShape, max_behind: int,
-              metrics_index: int) -> torch.Tensor:
+              metrics_index: int, chain: Callable | None = None,
+              chain_tree: TreeShape | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens [B, 1 + sum of level sizes]: pending, then level after level the drafter's
     top-b tokens after each node of the level above, most likely first (deterministic
     children: the target accepts each with probability p'(c), which is lossless).
@@ -77,22 +79,48 @@ def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], t
     slots, same values) because the runner lets new tokens see only the committed cache
     and the tokens of the current forward; committing tree nodes to the cache would make
     them visible to every node. Trees are small, so the extra work is small too.
+
+    With `chain` the drafter also drafts its most likely path m tokens deeper, sped up by a
+    cheaper drafter (the second stage, a vertical cascade under the tree): chain(path), path
+    [B, L - 1] the most likely path above the last level (each level's first node), returns
+    (tokens [B, m], length [B]) proposed after it. The last level's forward also feeds them,
+    hung under that path (chain_tree: branching_parents(branching[:-1]) with the chain under
+    its first-child path's end), so it gives the drafter's top-1 after each of them at no
+    extra forward (one more where the tree has a single level). The drafter accepts them
+    while they equal its own top-1 (the first against the likely leaf); its top-1 after the
+    r it accepted are its next r tokens after the leaf. Then tokens end with those [B, m] and
+    r [B] is returned (None without a chain); the target sees only the first r of them.
     """
     ids, counts = catch_up_tokens(state, drafter, max_behind)
     last = logits_at(forward_tokens(drafter, state, ids), counts - 1)[:, None]  # [B, 1, V]: after pending
     drafter.cache.advance(counts * state.active)
-    levels = [state.pending[:, None]]
+    levels, proposed, after = [state.pending[:, None]], None, None
     for depth, children in enumerate(branching):
-        if depth > 0:
-            drafted = torch.cat(levels[1:], dim=1)
-            nodes = slice(1, 1 + drafted.shape[1])
-            batch = ForwardBatch(drafted, state.committed[:, None] + tree.depth[:, nodes],
-                                 state.max_committed + 1 + drafted.shape[1],
-                                 tree.mask[:, nodes, nodes].expand(state.batch, -1, -1))
-            last = drafter(batch)[:, -levels[-1].shape[1]:]
+        if chain is not None and depth == len(branching) - 1:
+            proposed = chain(torch.stack([level[:, 0] for level in levels[1:]], 1) if depth else levels[0][:, :0])
+        if depth > 0 or proposed is not None:
+            shape = tree if proposed is None else chain_tree
+            fed = torch.cat(levels[1:] + ([] if proposed is None else [proposed[0]]), dim=1)
+            nodes = slice(1, 1 + fed.shape[1])
+            batch = ForwardBatch(fed, state.committed[:, None] + shape.depth[:, nodes],
+                                 state.max_committed + 1 + fed.shape[1],
+                                 shape.mask[:, nodes, nodes].expand(state.batch, -1, -1))
+            logits = drafter(batch)
+            if proposed is not None:
+                m = proposed[0].shape[1]
+                after, logits = logits[:, -m:].argmax(dim=-1), logits[:, :-m]
+            if depth > 0:
+                last = logits[:, -levels[-1].shape[1]:]
         levels.append(last.topk(children, dim=-1).indices.flatten(1))
-    state.metrics.count_drafter(metrics_index, len(branching))
-    return torch.cat(levels, dim=1)
+    single = proposed is not None and len(branching) == 1  # the chain had a forward of its own
+    state.metrics.count_drafter(metrics_index, len(branching) + single)
+    tokens = torch.cat(levels, dim=1)
+    if proposed is None:
+        return tokens, None
+    offered, length = proposed
+    expected = torch.cat([levels[-1][:, :1], after[:, :-1]], dim=1)  # the drafter's own token at each
+    agree = (offered == expected) & (torch.arange(offered.shape[1], device=offered.device)[None, :] < length[:, None])
+    return torch.cat([tokens, after], dim=1), agree.long().cumprod(dim=1).sum(dim=1)
 
 
 def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Tensor, tree: TreeShape,

@@ -50,6 +50,9 @@ CASES = {  # name -> (drafters, strategy, temperature, top_k, top_p)
     "cascade-direct-l2": (("d1", "mag"), Cascade(k_matrix=[[1, 1], [0, 1]], lenience=2, mag_tokens=1,
                                                  direct_match=1, direct_tokens=4), 1.0, 0, 1.0),
     "staged-mag": (("d1", "mag"), Staged(branching=(3, 2), mag_tokens=2), 1.0, 0, 1.0),
+    # one level: the drafter's chain (MaG's tokens it accepted) decides the second token
+    "staged-mag-chain": (("d1", "mag"), Staged(branching=(3,), mag_tokens=2), 1.0, 0, 1.0),
+    "staged-mag-unreviewed-t0.7": (("d1", "mag"), Staged(branching=(3,), mag_tokens=2, mag_review=False), 0.7, 0, 1.0),
     "pearl": (("d1",), Pearl(gamma=3, overlap=True), 1.0, 0, 1.0),
 }
 

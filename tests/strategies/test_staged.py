@@ -13,7 +13,7 @@ from csd_engine.strategies.staged import Staged
 from csd_engine.strategies.tree import TreeShape, branching_parents, verify_tree_and_commit
 from tests.stats import fresh_seed
 from tests.strategies.common import assert_greedy_equals_autoregressive, assert_samples_follow_target
-from tests.tiny_models import VOCAB, perturbed, random_prompts, tiny_gpt2, tiny_llama
+from tests.tiny_models import VOCAB, hf_greedy, perturbed, random_prompts, tiny_gpt2, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,14 @@ def test_greedy_with_an_unrelated_drafter():
                                         max_new_tokens=12)
 
 
-@pytest.mark.parametrize("engine_has_mag", [False, True])
-def test_greedy_with_mag_second_stage(pair, engine_has_mag):
+@pytest.mark.parametrize("engine_has_mag, review", [(False, True), (True, True), (True, False)])
+def test_greedy_with_mag_second_stage(pair, engine_has_mag, review):
     target, draft_model = pair
     drafters = [draft_model, "mag"] if engine_has_mag else [draft_model]
     engine = Engine(target, drafters=drafters, max_batch_size=2, max_seq_len=64, verify_backend="torch")
     prompts = random_prompts(2, lo=2, hi=10, seed=fresh_seed())
     prompts[0] = prompts[0][:3] * 4  # repetitive: MaG finds matches to copy
-    strategy = Staged((2, 1), mag_tokens=3)
+    strategy = Staged((2, 1), mag_tokens=3, mag_review=review)
     out = assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=16)
     own_mag = strategy.decoder(engine).mag
     assert (own_mag is engine.drafters[1]) if engine_has_mag else own_mag is not None  # the engine's MaG if any
@@ -197,6 +197,9 @@ def test_bad_configurations_are_refused():
             Staged(mag_tokens=bad)
         with pytest.raises(ValueError, match=r"\(drafter=\.\.\.\) must be an int >= 0"):
             Staged(drafter=bad)
+    for bad in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match=r"mag_review must be True \(the drafter reviews MaG's tokens\) or False"):
+            Staged(mag_tokens=2, mag_review=bad)
     assert Staged(branching=[4, 2]).branching == (4, 2)
 
     target = tiny_llama(seed=1)
@@ -217,16 +220,69 @@ def test_bad_configurations_are_refused():
     assert engine.generate([[1, 2]], params, strategy=Staged(branching=(2, 2)))[0].token_ids
 
 
+@pytest.mark.parametrize("branching", [(2,), (2, 1)])
+def test_the_second_stage_chain_is_the_drafters_own_continuation(pair, monkeypatch, branching):
+    """MaG drafts for the drafter: the chain under the likely leaf is the drafter's own greedy
+    continuation of its likely path (transformers' greedy of the drafter), exactly as deep as
+    MaG's proposal agrees with it, padding after (never verified nor counted as drafted), with
+    no drafter forward more than the tree's levels (one more for a single level). MaG's
+    proposals are planted: the drafter's continuation with one token wrong (or none), of random length."""
+    target, draft_model = pair
+    depth, m, generator = len(branching), 3, torch.Generator().manual_seed(fresh_seed())
+    leaf = len(branching_parents(branching[:-1]))  # the last level's first node: the likely leaf
+    proposals, steps = [], []
+    propose, verify = staged.StagedDecoder._mag_stage, staged.verify_tree_and_commit
+
+    def plant(self, state, path):
+        tokens, length = propose(self, state, path)  # writes the context after the committed prefix
+        ends = state.committed + 1 + path.shape[1]
+        for b in range(state.batch):
+            if state.active[b]:
+                own = hf_greedy(draft_model, state.tokens[b, :ends[b]].tolist(), m)
+                cut = int(torch.randint(m + 1, (1,), generator=generator))
+                tokens[b] = torch.tensor(own[:cut] + [(t + 1) % VOCAB for t in own[cut:cut + 1]] + own[cut + 1:])
+        length = torch.randint(m + 1, length.shape, generator=generator)
+        proposals.append((tokens.clone(), length))
+        return tokens, length
+
+    def spy_verify(models, state, tokens, tree, *args, **kwargs):
+        above = state.committed + depth  # committed + pending + the path above the leaf (_mag_stage's scratch)
+        steps.append([(b, state.tokens[b, :above[b]].tolist() + [int(tokens[b, leaf])], tokens[b, -m:].tolist(),
+                       int((tree.parents[b, -m:] != -2).sum())) for b in range(state.batch) if state.active[b]])
+        return verify(models, state, tokens, tree, *args, **kwargs)
+    monkeypatch.setattr(staged.StagedDecoder, "_mag_stage", plant)
+    monkeypatch.setattr(staged, "verify_tree_and_commit", spy_verify)
+    engine = Engine(target, drafters=[draft_model], max_batch_size=3, max_seq_len=64, verify_backend="torch")
+    prompts = random_prompts(3, seed=fresh_seed())
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=16), strategy=Staged(branching, mag_tokens=m))
+    depths = []
+    for (offered, length), rows in zip(proposals, steps):
+        for row, context, chain, real in rows:
+            own = hf_greedy(draft_model, context, m)
+            mine = [context[-1]] + own[:-1]  # the drafter's token where MaG offered each of its own
+            agreed = 0
+            while agreed < int(length[row]) and int(offered[row, agreed]) == mine[agreed]:
+                agreed += 1
+            assert real == agreed and chain[:real] == own[:real]
+            depths.append(real)
+    assert 0 < max(depths) and min(depths) < m, f"chain depths {depths}: nothing accepted or nothing cut"
+    for r, prompt in zip(results, prompts):
+        assert r.metrics.drafter_forwards == [(depth + (depth == 1)) * r.metrics.target_forwards]
+        assert r.token_ids == hf_greedy(target, prompt, 16)
+    assert sum(r.metrics.drafted for r in results) == sum(depth + d for d in depths)
+
+
 def test_the_mag_chain_verifies_only_the_tokens_mag_proposed(pair, monkeypatch):
-    """Where MaG proposes fewer than mag_tokens tokens, the chain's other nodes are padding
-    (parent -2), never verified nor counted as drafted."""
+    """Unreviewed (mag_review=False): where MaG proposes fewer than mag_tokens tokens after the
+    drafter's likely path, the chain's other nodes are padding (parent -2), never verified nor
+    counted as drafted."""
     target, draft_model = pair
     proposed, real = [], []
     propose, verify = staged.StagedDecoder._mag_stage, staged.verify_tree_and_commit
 
     def spy_stage(self, state, path):
         proposal = propose(self, state, path)
-        proposed.append(proposal.length.clone())
+        proposed.append(proposal[1].clone())
         return proposal
 
     def spy_verify(models, state, tokens, tree, *args, **kwargs):
@@ -235,13 +291,14 @@ def test_the_mag_chain_verifies_only_the_tokens_mag_proposed(pair, monkeypatch):
     monkeypatch.setattr(staged.StagedDecoder, "_mag_stage", spy_stage)
     monkeypatch.setattr(staged, "verify_tree_and_commit", spy_verify)
     engine = Engine(target, drafters=[draft_model], max_batch_size=2, max_seq_len=48, verify_backend="torch")
-    engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=12), strategy=Staged((2,), mag_tokens=3))
+    engine.generate(random_prompts(2, seed=3), SamplingParams(max_new_tokens=12),
+                    strategy=Staged((2,), mag_tokens=3, mag_review=False))
     assert any((p < 3).any() for p in proposed), "MaG always proposed a full chain: nothing padded"
     assert all(torch.equal(r, p) for r, p in zip(real, proposed))
     # the metrics count as drafted the tree's depth and MaG's real nodes, not the padding
     proposed.clear()
     [result] = engine.generate(random_prompts(1, seed=4), SamplingParams(max_new_tokens=12),
-                               strategy=Staged((2,), mag_tokens=3))
+                               strategy=Staged((2,), mag_tokens=3, mag_review=False))
     assert result.metrics.drafted == sum(1 + int(p[0]) for p in proposed) < 4 * len(proposed)
 
 
