@@ -105,6 +105,20 @@ def test_bf16_tokens_do_not_depend_on_the_forwards_width(model, attention_op):
         assert width_difference(runner, prefix, torch.randint(0, 96, (1, n), generator=g)) == 0.0, n
 
 
+def test_bf16_wide_speculation_emits_plain_decodings_tokens(model):
+    """What the mode is for (README, "Where it holds"): bf16 greedy speculation whose steps are
+    wider than the CPU kernels cover emits Autoregressive's tokens. A 24-node Staged tree and a
+    21-token chain, on prompts where both emitted other tokens before the attention above."""
+    from csd_engine import Autoregressive, SamplingParams, Speculative, Staged
+    from tests.tiny_models import perturbed, random_prompts
+    engine = Engine(model, drafters=[perturbed(model, noise=0.05, seed=4)], max_batch_size=1, max_seq_len=96,
+                    batch_invariant=True, dtype=torch.bfloat16, device="cpu")
+    for seed, strategy, tokens in ((4, Staged((3, 2, 1, 1)), 20), (7, Speculative(k=20), 40)):
+        prompt, params = random_prompts(1, lo=4, hi=20, seed=seed)[0], SamplingParams(max_new_tokens=tokens)
+        plain = engine.generate([prompt], params, strategy=Autoregressive())[0].token_ids
+        assert engine.generate([prompt], params, strategy=strategy)[0].token_ids == plain, strategy
+
+
 def test_generic_runner_is_refused_clearly(model):
     with pytest.raises(ValueError, match="batch_invariant=True needs the native runner, but the target runs on "
                                          "the generic transformers runner"):
