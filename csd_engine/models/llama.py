@@ -285,12 +285,15 @@ class LlamaRunner(Runner):
     def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
         """The extension's attention (ops.decode_attention) takes this forward: up to
         CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) on the CPU, with the fused layer
-        ops, and in batch-invariant mode whatever `fused` says. It computes each token as it does
+        ops, and in batch-invariant mode at any width whatever `fused` says (there a 65-token
+        verification, Speculative(k=64)'s, or a prefill chunk, whose width can depend on other
+        requests, must round as its tokens decoded alone too). It computes each token as it does
         a token decoded alone after the same keys, so a token's logits do not depend on the
         forward's width or on its place in a tree; SDPA's CPU kernel does not promise that (in
         bf16 on an AVX-512 EPYC a 17-token forward moved a token's logits by 0.03)."""
-        width_invariant = self.cpu_layer_ops or (self.row_block and self.cpu_attention)
-        return bool(width_invariant) and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS
+        if self.row_block and self.cpu_attention:  # batch-invariant: at every width, prefills included
+            return True
+        return bool(self.cpu_layer_ops) and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS
 
     def _one_query_on_cpu(self, n: int) -> bool:
         """One new token per row on the CPU, outside batch-invariant mode, without the extension:
@@ -310,7 +313,7 @@ class LlamaRunner(Runner):
         v = v_all[:, :, :batch.kv_bound]
         if self._one_query_on_cpu(q.shape[1]):
             return one_query_attention(q, k, v, mask)
-        if self.row_block and self.device.type == "cpu" and 1 < q.shape[1] <= CPU_ATTENTION_MAX_TOKENS:
+        if self.row_block and self.device.type == "cpu" and q.shape[1] > 1:
             # batch-invariant without the extension's op: each token as one decoded alone (SDPA's
             # CPU kernel computes a query by how many share its call)
             return torch.cat([self._sdpa(q[:, t:t + 1], k, v, mask[:, :, t:t + 1]) for t in range(q.shape[1])], 1)

@@ -105,6 +105,21 @@ def test_bf16_tokens_do_not_depend_on_the_forwards_width(model, attention_op):
         assert width_difference(runner, prefix, torch.randint(0, 96, (1, n), generator=g)) == 0.0, n
 
 
+@pytest.mark.parametrize("attention_op", [True, False])
+def test_bf16_forwards_wider_than_64_tokens_do_not_depend_on_their_width(model, attention_op):
+    """Past CPU_ATTENTION_MAX_TOKENS too: Speculative(k=64) verifies 65 tokens per forward and a
+    prefill chunk's width can depend on other requests. With SDPA over all of them there, a token
+    moved by up to 0.03 and Speculative(k=64) emitted other tokens than plain decoding."""
+    engine = Engine(model, max_batch_size=1, max_seq_len=200, batch_invariant=True, dtype=torch.bfloat16,
+                    device="cpu", fused_kernels=False)
+    runner = engine.target
+    runner.cpu_attention = runner.cpu_attention and attention_op
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 96, (1, 30), generator=g)
+    for n in (65, 90):
+        assert width_difference(runner, prefix, torch.randint(0, 96, (1, n), generator=g)) == 0.0, n
+
+
 def test_bf16_wide_speculation_emits_plain_decodings_tokens(model):
     """What the mode is for (README, "Where it holds"): bf16 greedy speculation whose steps are
     wider than the CPU kernels cover emits Autoregressive's tokens. A 24-node Staged tree and a
