@@ -308,7 +308,14 @@ class LlamaRunner(Runner):
             block_rows = INVARIANT_BLOCK_ROWS if self.row_block else None
             return cache_attention(q, k_all, v_all, lengths, batch.tree_mask, num_splits=splits, block_rows=block_rows)
         if self._cpu_attention_op(batch):
-            return ops.decode_attention(q, k_all, v_all, lengths, batch.tree_mask)
+            n, step = q.shape[1], CPU_ATTENTION_MAX_TOKENS
+            if batch.tree_mask is not None or n <= step:
+                return ops.decode_attention(q, k_all, v_all, lengths, batch.tree_mask)
+            # a long chain (batch-invariant prefill): the op holds a call's scores whole, so it takes
+            # the queries a block at a time, each block after the keys before it (the same values)
+            return torch.cat([ops.decode_attention(q[:, c:c + step], k_all, v_all,
+                                                   torch.where(lengths < 0, lengths, lengths + c), None)
+                              for c in range(0, n, step)], dim=1)
         k = k_all[:, :, :batch.kv_bound]
         v = v_all[:, :, :batch.kv_bound]
         if self._one_query_on_cpu(q.shape[1]):
