@@ -283,14 +283,12 @@ class LlamaRunner(Runner):
         return add_rmsnorm_ref(x, weight, self.eps)[0]
 
     def _cpu_attention_op(self, batch: ForwardBatch) -> bool:
-        """The extension's attention (ops.decode_attention) takes this forward: up to
-        CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) on the CPU, with the fused layer
-        ops, and in batch-invariant mode at any width whatever `fused` says (there a 65-token
-        verification, Speculative(k=64)'s, or a prefill chunk, whose width can depend on other
-        requests, must round as its tokens decoded alone too). It computes each token as it does
-        a token decoded alone after the same keys, so a token's logits do not depend on the
-        forward's width or on its place in a tree; SDPA's CPU kernel does not promise that (in
-        bf16 on an AVX-512 EPYC a 17-token forward moved a token's logits by 0.03)."""
+        """The extension's attention (ops.decode_attention) takes this forward on the CPU: up to
+        CPU_ATTENTION_MAX_TOKENS new tokens (a chain or a tree) with the fused layer ops, and any
+        width in batch-invariant mode whatever `fused` says (prefill chunks included, whose width
+        can depend on other requests). It computes each token as one decoded alone after the same
+        keys, so a token's logits do not depend on the forward's width or its place in a tree;
+        SDPA's CPU kernel does not (bf16, AVX-512 EPYC: a 17-token forward moved a token by 0.03)."""
         if self.row_block and self.cpu_attention:  # batch-invariant: at every width, prefills included
             return True
         return bool(self.cpu_layer_ops) and batch.input_ids.shape[1] <= CPU_ATTENTION_MAX_TOKENS

@@ -97,7 +97,7 @@ def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], t
     levels, proposed, after = [state.pending[:, None]], None, None
     for depth, children in enumerate(branching):
         if chain is not None and depth == len(branching) - 1:
-            proposed = chain(torch.stack([level[:, 0] for level in levels[1:]], 1) if depth else levels[0][:, :0])
+            proposed = chain(torch.cat([level[:, :1] for level in levels], dim=1)[:, 1:])  # first nodes, root off
         if depth > 0 or proposed is not None:
             shape = tree if proposed is None else chain_tree
             fed = torch.cat(levels[1:] + ([] if proposed is None else [proposed[0]]), dim=1)
