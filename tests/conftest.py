@@ -33,6 +33,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.nodeid.startswith(COMPILED_TESTS) and not item.nodeid.startswith(COMPILE_FILE):
                 item.add_marker(rerun)
+        # the suite's longest test (one process, 5-10 minutes) first, so that the other workers share
+        # out the rest while it runs: where it started late it ran on alone at the end
+        items.sort(key=lambda item: not item.nodeid.startswith(COMPILE_FILE))
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
