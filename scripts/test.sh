@@ -9,4 +9,5 @@ export TRITON_INTERPRET=1 CSD_DEBUG=1
 # worker so its module fixtures are built once; workers run torch single-threaded (conftest).
 cores=$(nproc)
 workers=${CSD_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"
+# --no-loadscope-reorder: files in the order tests/conftest.py gives them, the compile check first.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 
@@ -34,8 +35,10 @@ def pytest_collection_modifyitems(config, items):
             if item.nodeid.startswith(COMPILED_TESTS) and not item.nodeid.startswith(COMPILE_FILE):
                 item.add_marker(rerun)
         # the suite's longest test (one process, 5-10 minutes) first, so that the other workers share
-        # out the rest while it runs: where it started late it ran on alone at the end
-        items.sort(key=lambda item: not item.nodeid.startswith(COMPILE_FILE))
+        # out the rest while it runs (started late, it ran on alone at the end); then the files with
+        # the most tests, as xdist would order them (scripts/test.sh turns its own ordering off)
+        per_file = collections.Counter(item.nodeid.split("::")[0] for item in items)
+        items.sort(key=lambda item: (not item.nodeid.startswith(COMPILE_FILE), -per_file[item.nodeid.split("::")[0]]))
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
