@@ -15,6 +15,9 @@ import torch  # noqa: E402
 if os.environ.get("CSD_COMPILE_FOR"):
     from tests.gpu_compile import install
     install([int(arch) for arch in os.environ["CSD_COMPILE_FOR"].split(",")], os.environ.get("CSD_COMPILE_LOG"))
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import interpreter
+    interpreter.install()  # the language patched once per launch, not at every helper call
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, no oversubscription
     torch.set_num_threads(1)

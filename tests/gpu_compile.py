@@ -17,8 +17,10 @@ import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
-from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+from tests import interpreter
 
 
 # The tests that tests/kernels/test_compiles.py reruns with every launch compiled (paths from the
@@ -95,14 +97,12 @@ def install(archs: list[int], log: str | None = None) -> None:
         return _as_interpreted(self).run(*args, grid=grid, warmup=False, **kwargs)
 
     def device_call(self, *args, **kwargs):
-        """A @triton.jit helper called from an interpreted kernel (Triton's own call leaves
-        the language patched for the interpreter, which breaks the next compile)."""
-        scope = _patch_lang(self.fn)
-        try:
-            return _as_interpreted(self).rewrite()(*args, **kwargs)
-        finally:
-            scope.restore()
+        """A @triton.jit helper called from an interpreted kernel, run as the interpreter runs it
+        (tests/interpreter.py: the language left as it was; Triton's own call leaves it patched
+        for the interpreter, which breaks the next compile)."""
+        return interpreter.call(_as_interpreted(self), args, kwargs)
 
+    interpreter.install()
     JITFunction._compile_only = JITFunction.run
     JITFunction.run = run
     JITFunction.__call__ = device_call
