@@ -32,6 +32,12 @@ if __package__ in (None, ""):  # run as `python bench/plot.py`: make the `bench`
 from bench.common import ALIASES  # noqa: E402
 
 SPLIT_PARTS = ("target", "drafters", "verify", "sample", "mag", "other")
+# Fonts with CJK glyphs, tried after DejaVu Sans (matplotlib falls back glyph by glyph): prompt
+# categories and labels in Chinese, Japanese or Korean are drawn where one of these is installed,
+# as matplotlib's placeholder glyphs where none is.
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Noto Sans CJK KR", "Source Han Sans SC",
+             "Source Han Sans", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "Droid Sans Fallback", "AR PL UMing CN",
+             "Microsoft YaHei", "SimHei", "PingFang SC", "Hiragino Sans", "Yu Gothic", "Malgun Gothic")
 
 
 def draw(json_path) -> list[Path]:
@@ -43,6 +49,9 @@ def draw(json_path) -> list[Path]:
               file=sys.stderr)
         return []
     matplotlib.use("Agg")
+    from matplotlib import font_manager
+    installed = {font.name for font in font_manager.fontManager.ttflist}
+    matplotlib.rcParams["font.family"] = ["DejaVu Sans", *(name for name in CJK_FONTS if name in installed)]
     json_path = Path(json_path)
     data = json.loads(json_path.read_text())
     stem = json_path.with_suffix("")
