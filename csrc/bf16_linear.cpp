@@ -11,6 +11,12 @@
 //
 // Every output y[m, n] is the same sequence of fp32 operations whatever M is (see rows_scalar), so a row's result does not depend on how
 // many other rows share the call: decoding one token and verifying a draft round alike.
+//
+// With AMX (cpu_isa() == kAmx) a bf16 weight whose K is a multiple of 32 takes AMX's bf16 tiles
+// instead (matmul_amx): its FMA tiles become compute-bound from about 5 rows of x (a 2-core
+// Sapphire Rapids Xeon: a 16-row call of an 8960 x 1536 weight 2.3x a 1-row one), AMX's stream
+// the weight at any row count up to 16 in a one-row call's time. Their sums are AMX's own
+// (another order than the FMA tiles'), again the same for an output whatever M is.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,9 +26,11 @@
 
 #include "cpu_isa.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -192,6 +200,123 @@ constexpr TileFn<W> kTiles512[kRowsPerTile + 1] = {nullptr,             tile_avx
                                                    tile_avx512<W, 4, 6>};
 #endif
 
+#ifdef CSD_AMX
+constexpr int64_t kAmxK = 32;        // bf16 of k per tile row (64 bytes)
+constexpr int64_t kAmxRows = 16;     // rows of W per tile, and at most as many rows of x
+constexpr int64_t kAmxChunk = 64;     // k-tiles of one W tile before the next's (4 KB of each of its rows)
+constexpr int64_t kAmxTilesOfW = 4;  // W tiles per work item: accumulators 0-3, W in tiles 5 and 6, x in 7
+
+// Palette 1: W's tiles 16 rows of 64 bytes (32 bf16 of k); x's 16 k-pairs x `cols` rows of x, and
+// the accumulators 16 W rows x `cols` fp32, where cols = min(M, 16): a one-row call loads 64
+// bytes of x per k-tile, not 1 KB. An output's sum does not depend on cols.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit AmxConfig(int64_t cols) {
+    for (int t = 0; t < 8; ++t) {
+      rows[t] = kAmxRows;
+      colsb[t] = t == 5 || t == 6 ? 64 : static_cast<uint16_t>(4 * cols);
+    }
+  }
+};
+
+// x [M, K] bf16 re-laid as AMX's B operand (pairs of k together): per tile of `cols` rows of x
+// and k-tile j, 16 k-pairs x cols rows x 2 at ((tile * K / 32) + j) * 32 cols elements; rows
+// past M are 0.
+std::vector<uint16_t> amx_pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t cols) {
+  const int64_t k_tiles = K / kAmxK, m_tiles = (M + cols - 1) / cols;
+  std::vector<uint16_t> packed(m_tiles * k_tiles * kAmxK * cols, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      packed[((m / cols) * k_tiles + k / kAmxK) * kAmxK * cols + ((k % kAmxK) / 2) * 2 * cols + (m % cols) * 2 +
+             k % 2] = x[m * K + k];
+  return packed;
+}
+
+// T (1 or kAmxTilesOfW) tiles of 16 W rows from w against every tile of x's rows: the weight
+// rows are AMX's A operand as they lie (16 rows of 32 bf16, K apart), x the packed B, so each
+// accumulator holds y^T for 16 weight rows x cols rows of x; k-tiles are summed in order.
+template <int T>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_tiles(const uint16_t* w, const uint16_t* xb, int64_t M,
+                                                              int64_t K, int64_t cols, float* out, int64_t N) {
+  const int64_t k_tiles = K / kAmxK, x_tile = kAmxK * cols, stride = 4 * cols;
+  alignas(64) float acc[kAmxRows * kAmxRows];
+  for (int64_t m0 = 0; m0 < M; m0 += cols) {
+    const uint16_t* xm = xb + (m0 / cols) * k_tiles * x_tile;
+    _tile_zero(0);
+    if constexpr (T > 1) { _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+    for (int64_t j0 = 0; j0 < k_tiles; j0 += kAmxChunk) {
+      const int64_t j1 = std::min(j0 + kAmxChunk, k_tiles);
+      // accumulator ACC += W tile `row` (loaded into tile A) x x over k-tiles j0..j1; the tiles'
+      // numbers are written into the instructions, so they are literals, not variables
+#define CSD_AMX_SWEEP(ACC, A, row)                                      \
+  for (int64_t j = j0; j < j1; ++j) {                                   \
+    _tile_loadd(7, xm + j * x_tile, stride);                            \
+    _tile_loadd(A, w + (row) * kAmxRows * K + j * kAmxK, K * 2);        \
+    _tile_dpbf16ps(ACC, A, 7);                                          \
+  }
+      CSD_AMX_SWEEP(0, 5, 0)
+      if constexpr (T > 1) {
+        CSD_AMX_SWEEP(1, 6, 1)
+        CSD_AMX_SWEEP(2, 5, 2)
+        CSD_AMX_SWEEP(3, 6, 3)
+      }
+#undef CSD_AMX_SWEEP
+    }
+    const int64_t rows = std::min(cols, M - m0);
+    for (int t = 0; t < T; ++t) {
+      switch (t) {  // a tile's number must be a constant
+        case 0: _tile_stored(0, acc, stride); break;
+        case 1: _tile_stored(1, acc, stride); break;
+        case 2: _tile_stored(2, acc, stride); break;
+        default: _tile_stored(3, acc, stride); break;
+      }
+      for (int64_t n = 0; n < kAmxRows; ++n)
+        for (int64_t m = 0; m < rows; ++m) out[(m0 + m) * N + t * kAmxRows + n] = acc[n * cols + m];
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_load_config(const AmxConfig& config) {
+  _tile_loadconfig(&config);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// [M, N] fp32 = x W^T for bf16 x and W with K % 32 == 0: AMX tiles for W's rows in whole tiles of
+// 16, in parallel by groups of kAmxTilesOfW, the last N % 16 rows by rows_scalar.
+at::Tensor matmul_amx(const at::Tensor& x, const uint16_t* wp, int64_t N, int64_t K) {
+  const int64_t M = x.numel() / K;
+  const int64_t cols = std::clamp<int64_t>(M, 1, kAmxRows);
+  const AmxConfig config(cols);
+  const at::Tensor xc = x.reshape({M, K}).contiguous();
+  const std::vector<uint16_t> xb =
+      amx_pack_x(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>()), M, K, cols);
+  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* op = acc.mutable_data_ptr<float>();
+  const int64_t tiles = N / kAmxRows, items = (tiles + kAmxTilesOfW - 1) / kAmxTilesOfW;
+  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    amx_load_config(config);  // the tile state is per thread
+    for (int64_t item = lo; item < hi; ++item) {
+      int64_t tile = item * kAmxTilesOfW;
+      if (tile + kAmxTilesOfW <= tiles) {
+        amx_tiles<kAmxTilesOfW>(wp + tile * kAmxRows * K, xb.data(), M, K, cols, op + tile * kAmxRows, N);
+      } else {
+        for (; tile < tiles; ++tile) amx_tiles<1>(wp + tile * kAmxRows * K, xb.data(), M, K, cols, op + tile * kAmxRows, N);
+      }
+    }
+    amx_release();
+  });
+  if (tiles * kAmxRows < N) {
+    const at::Tensor xf = xc.to(at::kFloat);
+    for (int64_t n = tiles * kAmxRows; n < N; ++n)
+      rows_scalar<16>(xf.const_data_ptr<float>(), wp + n * K, K, M, K, op + n, N);
+  }
+  return acc;
+}
+#endif
+
 // [M, N] fp32 = x W^T for x [M, K] (any float dtype) and W [N, K] of element type W.
 template <typename W>
 at::Tensor matmul_f32(const at::Tensor& x, const W* wp, int64_t N, int64_t K) {
@@ -256,6 +381,10 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                    weight.scalar_type());
   const at::Tensor w = weight.contiguous();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
+#ifdef CSD_AMX
+  if (cpu_isa() == Isa::kAmx && w.size(1) % kAmxK == 0 && w.size(1) > 0)
+    return finish(matmul_amx(x, wp, w.size(0), w.size(1)), x, bias);
+#endif
   return finish(matmul_f32(x, wp, w.size(0), w.size(1)), x, bias);
 }
 
@@ -272,9 +401,21 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& q, const at::T
   return finish(std::move(acc), x, bias);
 }
 
+// The instruction set the CPU kernels run (cpu_isa.h), by its CSD_CPU_ISA name.
+std::string cpu_isa_name() {
+  switch (cpu_isa()) {
+    case Isa::kAmx: return "amx";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "baseline";
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(csd_engine, m) {
+  m.def("cpu_isa() -> str", &cpu_isa_name);
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
 }

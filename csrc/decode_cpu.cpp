@@ -82,6 +82,7 @@ namespace avx512 {
 #define CSD_ISA_CALL(fn, ...)                          \
   do {                                                 \
     switch (cpu_isa()) {                                   \
+      case Isa::kAmx:                                  \
       case Isa::kAvx512Bf16:                           \
       case Isa::kAvx512: avx512::fn(__VA_ARGS__); break; \
       case Isa::kAvx2: avx2::fn(__VA_ARGS__); break;     \

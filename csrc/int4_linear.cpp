@@ -219,7 +219,7 @@ bool int4_linear_runs() { return cpu_isa() >= Isa::kAvx2; }
 
 bool bf16_tiles_run() {
 #ifdef CSD_INT4_BF16_TILES
-  return cpu_isa() == Isa::kAvx512Bf16;
+  return cpu_isa() >= Isa::kAvx512Bf16;
 #else
   return false;
 #endif

@@ -11,8 +11,10 @@ from csd_engine import ops
 
 needs_kernel = pytest.mark.skipif("cpu" not in ops._BF16_LINEAR_DEVICES,
                                   reason="csd_engine._C has no bf16_linear CPU kernel (extension not built)")
+# (rows of x, N, K): every FMA tile, the scalar rest, k tails; with AMX (K a multiple of 32) one and
+# four W tiles per item, W rows past the last tile, k beyond one chunk, x's rows in 1 to 3 tiles
 SHAPES = [(1, 1, 8), (1, 4, 1536), (2, 6, 24), (3, 37, 37), (5, 8, 64), (6, 9, 200), (7, 5, 31), (13, 40, 96),
-          (9, 26, 40), (17, 12, 256)]  # (rows of x, N, K): every tile, the scalar rest, k tails
+          (9, 26, 40), (17, 12, 256), (1, 64, 64), (5, 80, 96), (17, 48, 2048), (16, 70, 4160), (33, 64, 32)]
 
 
 @pytest.fixture

@@ -22,11 +22,14 @@ def runnable_isas() -> list[str]:
             isas.append("avx512")
             if "avx512_bf16" in flags:
                 isas.append("avx512_bf16")
+                # AMX also needs Linux to grant this process the tile state, which the extension asks for
+                if {"amx_tile", "amx_bf16"} <= flags and not os.environ.get("CSD_CPU_ISA") and ops.cpu_kernel_isa() == "amx":
+                    isas.append("amx")
     return isas
 
 
 @pytest.mark.skipif(not ops.HAS_EXTENSION, reason="csd_engine._C did not import")
-@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512", "avx512_bf16", "amx"])
 def test_kernels_pass_their_tests_with_every_instruction_set(isa):
     if isa not in runnable_isas():
         pytest.skip(f"this CPU does not run {isa}")
