@@ -204,7 +204,8 @@ def bf16_kernel_pays() -> bool:
     5-row call cost 4.8x a 1-row call on a 2-core AVX2 EPYC; the kernel: 1.7x); with avx512_bf16
     its oneDNN path streams the weights at ~30 GB/s where the kernel's AVX-512 tiles reached
     35-56 for 1 to 5 rows (2-core AVX-512 EPYC, 1.5B MLP weights); with AMX (a 2-core Sapphire
-    Rapids Xeon) a Qwen 1.5B one-token forward took 126 ms on the kernel against torch's 237
+    Rapids Xeon) a Qwen 1.5B one-token forward took 126 ms on the kernel against torch's 237, and
+    the kernel's AMX tiles (bf16_kernel_on_amx) keep its 9-token forward at 1.28x that
     (docs/measurements.md). CSD_BF16_LINEAR=1 / 0 forces it on / off."""
     forced = os.environ.get("CSD_BF16_LINEAR")
     if forced not in (None, "", "0", "1"):
@@ -214,6 +215,23 @@ def bf16_kernel_pays() -> bool:
     if forced:
         return forced == "1"
     return torch.cpu._is_avx2_supported()
+
+
+@functools.cache
+def cpu_kernel_isa() -> str | None:
+    """The instruction set csd_engine's CPU kernels run (csrc/cpu_isa.h: "baseline", "avx2",
+    "avx512", "avx512_bf16" or "amx", the best this CPU and Linux allow unless CSD_CPU_ISA names a
+    lower one); None without the extension's bf16 kernel."""
+    if "cpu" not in _BF16_LINEAR_DEVICES or not hasattr(torch.ops.csd_engine, "cpu_isa"):
+        return None
+    return torch.ops.csd_engine.cpu_isa()
+
+
+def bf16_kernel_on_amx() -> bool:
+    """dense_linear's bf16 kernel runs AMX's bf16 tiles (for weights whose K is a multiple of 32,
+    every Qwen and Llama matrix): a call of up to 16 rows costs about what a one-row call does, so
+    a wide forward costs little more than a one-token one (budget.AMX_TILE_WIDTH_COSTS)."""
+    return bf16_kernel_pays() and cpu_kernel_isa() == "amx"
 
 
 def kernel_without_native_bf16() -> bool:
@@ -248,8 +266,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # a 16-token direct draft) stays on the kernel, whose rows do not depend on the call's, so greedy
 # speculative decoding at batch 1 emits plain decoding's tokens exactly (its 17-row forward 173 ms
 # against torch's 159; 24 rows 238 against 186, 33 rows 319 against 218; ad hoc, in-process, interleaved).
-# With AMX (2-core Sapphire Rapids Xeon) torch's side is flat to 13 rows and the kernel costs more past
-# 6 (its 9-row forward 309 ms against 252), but the same bound keeps a batch-1 step exact there too.
+# With AMX (2-core Sapphire Rapids Xeon) the kernel runs AMX's tiles, whose cost per call is flat to 16
+# rows (the 1.5B's 9-token forward 151 ms against 118 for one token; its FMA tiles took 198 there,
+# torch's AMX path 252); the same bound keeps a batch-1 step exact.
 NATIVE_BF16_KERNEL_MAX_ROWS = 17
 
 

@@ -46,6 +46,12 @@ AVX512_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.1), (3, 1.1), (5, 1.12), (7, 1.49),
 # averaged with an ad hoc interleaved run of the same widths (docs/measurements.md).
 AMX_KERNEL_WIDTH_COSTS = ((1, 1.0), (2, 1.09), (3, 1.16), (4, 1.22), (5, 1.36), (7, 2.02), (9, 2.17), (13, 3.28),
                           (17, 3.61))
+# The same where the kernel runs AMX's bf16 tiles (csrc/bf16_linear.cpp's matmul_amx; the two
+# curves above are its FMA tiles): the Qwen 1.5B on a 2-core Sapphire Rapids Xeon, 300 tokens of
+# context, median of 5 (bench/measured/forward-cost-qwen-bf16-amx-tiles-cpu-2026-12-06.json). A
+# call's matmuls cost about what one row's do up to 16 rows; what grows is the rest of the forward,
+# and at 17 a second tile of rows.
+AMX_TILE_WIDTH_COSTS = ((1, 1.0), (2, 1.02), (3, 1.03), (5, 1.15), (7, 1.26), (9, 1.28), (13, 1.34), (17, 1.73))
 
 # A float32 target on the CPU whose weights stream from memory (torch's matmuls: a one-token forward
 # takes the matrix-vector path, every wider one the matrix-matrix path, which costs about twice as
@@ -82,7 +88,8 @@ def width_costs(models: Models, width_cost: float | None, n: int) -> torch.Tenso
     w = torch.arange(n + 1, dtype=torch.float64).clamp(min=1)
     float32_cpu = (models.device.type == "cpu" and getattr(models.target, "dtype", None) == torch.float32
                    and (getattr(models.target, "weight_bytes", None) or 0) >= STREAMED_WEIGHT_BYTES)
-    native_bf16_curve = AMX_KERNEL_WIDTH_COSTS if torch.cpu._is_amx_tile_supported() else AVX512_KERNEL_WIDTH_COSTS
+    native_bf16_curve = AMX_TILE_WIDTH_COSTS if ops.bf16_kernel_on_amx() else \
+        AMX_KERNEL_WIDTH_COSTS if torch.cpu._is_amx_tile_supported() else AVX512_KERNEL_WIDTH_COSTS
     curve = KERNEL_WIDTH_COSTS if on_bf16_kernel(models) else \
         native_bf16_curve if on_kernel_with_native_bf16(models) else \
         FLOAT32_CPU_WIDTH_COSTS if float32_cpu else None

@@ -616,6 +616,7 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
     monkeypatch.setenv("CSD_BF16_LINEAR", forced)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # AMX has native bf16 too
+    monkeypatch.setattr(ops, "cpu_kernel_isa", lambda: "avx512_bf16" if native_bf16 else "avx2")
     ops.bf16_kernel_pays.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):
@@ -644,27 +645,34 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
 
 
 
-def test_the_kernel_runs_on_a_cpu_with_amx_and_width_is_priced_by_its_curve(models, monkeypatch):
-    """With AMX (a Sapphire Rapids Xeon: the kernel's one-token forward 0.56x torch's, its wide ones
-    dearer) the kernel runs by default and the auto strategies price width by
-    budget.AMX_KERNEL_WIDTH_COSTS."""
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+def test_the_kernel_runs_on_a_cpu_with_amx_and_width_is_priced_by_its_curve(isa, models, monkeypatch):
+    """With AMX (a Sapphire Rapids Xeon) the kernel runs by default, on AMX's bf16 tiles, and the
+    auto strategies price width by budget.AMX_TILE_WIDTH_COSTS (nearly flat to 16 tokens); where
+    the kernel runs its FMA tiles there (CSD_CPU_ISA=avx512_bf16: the one-token forward 0.56x
+    torch's, its wide ones dearer), by budget.AMX_KERNEL_WIDTH_COSTS."""
     from csd_engine import ops
     target, d1, _ = models
     monkeypatch.delenv("CSD_BF16_LINEAR", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(ops, "cpu_kernel_isa", lambda: isa)
     ops.bf16_kernel_pays.cache_clear()
     try:
         assert ops.bf16_kernel_pays() == ("cpu" in ops._BF16_LINEAR_DEVICES) and not ops.kernel_without_native_bf16()
         if not ops.bf16_kernel_pays():
             pytest.skip("the extension's bf16 kernel is not built here")
+        assert ops.bf16_kernel_on_amx() == (isa == "amx")
         engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=torch.bfloat16)
         costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
-        assert costs[:10].tolist() == pytest.approx([1, 1, 1.09, 1.16, 1.22, 1.36, 1.69, 2.02, 2.095, 2.17], abs=1e-4)
+        expected = [1, 1, 1.02, 1.03, 1.09, 1.15, 1.205, 1.26, 1.27, 1.28] if isa == "amx" else \
+            [1, 1, 1.09, 1.16, 1.22, 1.36, 1.69, 2.02, 2.095, 2.17]
+        assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
+
 
 def test_auto_prices_a_float32_target_that_streams_its_weights_by_the_float32_curve(models, monkeypatch):
     """A float32 target on the CPU whose weights stream from memory pays about twice a one-token
