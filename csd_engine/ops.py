@@ -267,8 +267,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # speculative decoding at batch 1 emits plain decoding's tokens exactly (its 17-row forward 173 ms
 # against torch's 159; 24 rows 238 against 186, 33 rows 319 against 218; ad hoc, in-process, interleaved).
 # With AMX (2-core Sapphire Rapids Xeon) the kernel runs AMX's tiles, whose cost per call is flat to 16
-# rows (the 1.5B's 9-token forward 151 ms against 118 for one token; its FMA tiles took 198 there,
-# torch's AMX path 252); the same bound keeps a batch-1 step exact.
+# rows (the 1.5B's 9-token forward 151 ms against 118 for one token; its FMA tiles took 198 on that
+# machine, docs/measurements.md); the same bound keeps a batch-1 step exact.
 NATIVE_BF16_KERNEL_MAX_ROWS = 17
 
 

@@ -22,8 +22,8 @@ def runnable_isas() -> list[str]:
             isas.append("avx512")
             if "avx512_bf16" in flags:
                 isas.append("avx512_bf16")
-                # AMX also needs Linux to grant this process the tile state, which the extension asks for
-                if {"amx_tile", "amx_bf16"} <= flags and not os.environ.get("CSD_CPU_ISA") and ops.cpu_kernel_isa() == "amx":
+                # AMX also needs Linux to grant the process the tile state: the extension says whether it did
+                if {"amx_tile", "amx_bf16"} <= flags and ops.cpu_kernel_isa() == "amx":
                     isas.append("amx")
     return isas
 
