@@ -20,7 +20,8 @@ position) and its pictures go to bench/results/.
 To add a method, add a line to METHODS. A method key may carry its own settings, so that
 configurations run side by side in one interleaved run, e.g.
     --methods 'ar,cascade-int4,cascade-int4:K=[[3,4],[0,4]]:l=3,cascade-int4:K=[[4,8],[0,4]]:m=6'
-(K: --k-matrix, l: --lenience, m: --mag-tokens, tree: --tree, k: --k, cost: --model-cost).
+(K: --k-matrix, l: --lenience, m: --mag-tokens, tree: --tree, k: --k, cost: --model-cost,
+max: --auto-max-tokens).
 """
 import argparse
 import json
@@ -148,9 +149,13 @@ def k_cascade(scheme: str | None = None, tree: bool = False) -> OnEngine:
 
 
 def self_tuning(strategy, scheme: str | None = None, tree: bool = False) -> OnEngine:
-    """`strategy`.auto(model_cost=--model-cost[, tree=--tree]) over [0.5B (`scheme`), MaG]."""
-    return OnEngine(lambda a: strategy.auto(model_cost=a.model_cost, **({"tree": json.loads(a.tree)} if tree else {})),
-                    scheme, settings=("cost", *(("tree",) if tree else ())))
+    """`strategy`.auto(model_cost=--model-cost[, max_tokens=--auto-max-tokens][, tree=--tree]) over
+    [0.5B (`scheme`), MaG]; the strategy's own max_tokens where --auto-max-tokens is not given."""
+    def build(a):
+        return strategy.auto(model_cost=a.model_cost,
+                             **({} if a.auto_max_tokens is None else {"max_tokens": a.auto_max_tokens}),
+                             **({"tree": json.loads(a.tree)} if tree else {}))
+    return OnEngine(build, scheme, settings=("cost", "max", *(("tree",) if tree else ())))
 
 
 # key -> (label, formatted with the arguments; factory(setup, args) -> method(ids, max_new_tokens))
@@ -203,7 +208,8 @@ def json_text(text: str) -> str:
 
 
 OVERRIDES = {"K": ("k_matrix", json_text), "l": ("lenience", float), "m": ("mag_tokens", int),
-             "tree": ("tree", json_text), "k": ("k", int), "cost": ("model_cost", float)}
+             "tree": ("tree", json_text), "k": ("k", int), "cost": ("model_cost", float),
+             "max": ("auto_max_tokens", int)}
 
 
 def split_methods(text: str) -> list[str]:
@@ -298,6 +304,9 @@ def parse_args(argv=None):
     ap.add_argument("--model-cost", type=float, default=None,
                     help="the self-tuning strategies' drafter cost, x a target forward (default: their own, "
                          "csd_engine.strategies.budget.cost_ratio)")
+    ap.add_argument("--auto-max-tokens", type=int, default=None,
+                    help="the self-tuning strategies' longest draft per source (their max_tokens; default: "
+                         "their own, 6)")
     ap.add_argument("--temperature", type=harness.non_negative_float, default=0.0,
                     help="sampling temperature of every method; 0: greedy, outputs compared token for token "
                          "(default 0)")

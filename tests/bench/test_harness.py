@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import csd_engine
 from bench import compare, harness, tune
 from bench.common import encode, load_prompts, order_by_category
 from bench.tiny import VOCAB, tiny_tokenizer
@@ -160,6 +161,16 @@ def test_compare_methods_carry_their_own_settings():
     assert compare.label(keys[1], name, own) == "csd_engine Cascade(0.5B int4+MaG, K=[[3,4],[0,4]], l=3)"
     name, own = compare.method_args(args, keys[2])
     assert compare.label(keys[2], name, own).endswith("l=2) [m=6]")  # m is not in the label: appended
+
+
+def test_compare_self_tuning_methods_take_their_draft_cap():
+    """`max` (--auto-max-tokens) reaches the strategy's max_tokens; unset, the strategy keeps its own."""
+    args = compare.parse_args(["--dry-run", "--methods", "spec-auto-int4,spec-auto-int4:max=10,cascade-auto:max=3"])
+    built = {key: strategy for key, (_, _, strategy) in compare.strategies(args).items()}
+    assert built["spec-auto-int4"].max_tokens == csd_engine.Speculative.auto().max_tokens
+    assert built["spec-auto-int4:max=10"].max_tokens == 10 and built["cascade-auto:max=3"].max_tokens == 3
+    name, own = compare.method_args(args, "spec-auto-int4:max=10")
+    assert compare.label("spec-auto-int4:max=10", name, own) == "csd_engine Speculative.auto(0.5B int4) [max=10]"
 
 
 @pytest.mark.parametrize("methods, message", [
