@@ -12,7 +12,8 @@ Each round decodes every prompt with every method, in an order that rotates from
 (and round) to the next, so a slow spell of the machine falls on all methods alike; per prompt
 the median time over the rounds is kept. Tables, overall and per category: tokens/s (tokens
 over seconds, summed over the prompts), the min-max of the rounds' tokens/s, the speedup over
-transformers' plain `generate`, mean accepted tokens per target forward, and how many outputs
+transformers' plain `generate`, the mean seconds to a prompt's first token (its prefill, by every
+model the method runs, and the first step), mean accepted tokens per target forward, and how many outputs
 equal transformers' greedy output (greedy runs only: sampled outputs are equal in distribution,
 not token for token; every method samples with --seed, so each round draws the same tokens).
 The JSON (rewritten after every round; per prompt, per category, overall, acceptance by draft
@@ -38,6 +39,7 @@ if __package__ in (None, ""):  # run as `python bench/compare.py`: make the `ben
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 import csd_engine  # noqa: E402
 from bench import harness  # noqa: E402
@@ -87,22 +89,48 @@ def sampling(args) -> dict:
 
 
 @dataclass
+class Output:
+    """One method's generation of one prompt."""
+    tokens: list[int]
+    first_token_s: float  # from the call to its first new token: the prompt's prefill (every model's) and one step
+    metrics: object = None  # csd_engine's Metrics; None for transformers' methods
+
+
+class FirstToken(BaseStreamer):
+    """A streamer for transformers' generate that keeps when the first new token came (its first
+    put is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.at = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+@dataclass
 class Transformers:
     """transformers' `generate` on the target, with extra generate arguments: greedy, or sampled
     at the run's temperature / top-k / top-p (torch's generator seeded with --seed first)."""
     setup: Setup
     extra: dict = field(default_factory=dict)
 
-    def __call__(self, ids: list[int], max_new_tokens: int):
+    def __call__(self, ids: list[int], max_new_tokens: int) -> Output:
         x = torch.tensor([ids])
         settings = sampling(self.setup.args)
         if settings:
             torch.manual_seed(settings.pop("seed"))
+        first = FirstToken()
+        begin = time.perf_counter()
         with torch.inference_mode():
             out = self.setup.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                             do_sample=bool(settings), eos_token_id=None,
+                                             do_sample=bool(settings), eos_token_id=None, streamer=first,
                                              pad_token_id=self.setup.tokenizer.pad_token_id, **settings, **self.extra)
-        return out[0, len(ids):].tolist(), None
+        return Output(out[0, len(ids):].tolist(), first.at - begin)
 
 
 @dataclass
@@ -112,10 +140,10 @@ class EngineMethod:
     strategy: object
     settings: dict = field(default_factory=dict)  # sampling(args): temperature, top_k, top_p, seed
 
-    def __call__(self, ids: list[int], max_new_tokens: int):
+    def __call__(self, ids: list[int], max_new_tokens: int) -> Output:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **self.settings)
         result = self.engine.generate([ids], params, strategy=self.strategy)[0]
-        return result.token_ids, result.metrics
+        return Output(result.token_ids, result.metrics.time_to_first_token_s, result.metrics)
 
 
 @dataclass(frozen=True)
@@ -372,24 +400,26 @@ def main(argv=None):
             sys.exit(2)
 
     path = harness.record_path(f"compare-{Path(args.target).name}-{args.dtype}", args)
-    runs = [{key: {"seconds": []} for key in methods} for _ in prompts]  # per prompt, per method
+    runs = [{key: {"seconds": [], "first_token_s": []} for key in methods} for _ in prompts]  # per prompt, per method
     progress = harness.Progress(args.rounds * len(prompts) * len(methods))
     for round_ in range(args.rounds):
         for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
             shift = (round_ * len(prompts) + i) % len(methods)
             for key in methods[shift:] + methods[:shift]:
                 begin = time.perf_counter()
-                tokens, metrics = runners[key](ids, args.max_new_tokens)
+                out = runners[key](ids, args.max_new_tokens)
                 seconds = time.perf_counter() - begin
                 run = runs[i][key]
                 run["seconds"].append(seconds)
+                run["first_token_s"].append(out.first_token_s)
                 if round_ == 0:
-                    run.update(tokens=len(tokens), output=tokens, **metrics_of(metrics))
+                    run.update(tokens=len(out.tokens), output=out.tokens, **metrics_of(out.metrics))
                 progress.step(f"round {round_ + 1}, prompt {i + 1}/{len(prompts)} [{prompt['category']}] "
-                              f"{labels[key]}: {len(tokens) / seconds:.2f} tokens/s")
+                              f"{labels[key]}: {len(out.tokens) / seconds:.2f} tokens/s, first token after "
+                              f"{out.first_token_s:.2f} s")
             if round_ == 0 and not args.temperature:
                 runs[i]["reference"] = (runs[i]["hf"]["output"] if "hf" in runs[i]
-                                        else Transformers(setup)(ids, args.max_new_tokens)[0])
+                                        else Transformers(setup)(ids, args.max_new_tokens).tokens)
         summary = summarize(prompts, encoded, runs, methods, labels)
         harness.write_record(path, {"rounds_done": round_ + 1, "methods": labels, **summary}, args)
 
@@ -418,7 +448,8 @@ def metrics_of(metrics) -> dict:
 
 def summarize(prompts, encoded, runs, methods, labels) -> dict:
     """Per prompt, per category and overall: tokens, seconds (per prompt the median over the
-    rounds), tokens/s, the min and max of the rounds' tokens/s, speedup over "hf", mean accepted
+    rounds), tokens/s, the min and max of the rounds' tokens/s, speedup over "hf", seconds to the
+    first token (per prompt the median over the rounds; over prompts their mean), mean accepted
     tokens, outputs equal to the reference (transformers' greedy text) and to csd's Autoregressive
     (where it ran), acceptance by draft position (mean over prompts)."""
     per_prompt = []
@@ -429,6 +460,7 @@ def summarize(prompts, encoded, runs, methods, labels) -> dict:
             run = runs[i][key]
             row[key] = {"tokens": run["tokens"], "seconds": run["seconds"],
                         "tokens_per_s": run["tokens"] / statistics.median(run["seconds"]),
+                        "first_token_s": statistics.median(run["first_token_s"]),
                         # greedy runs: transformers' greedy output; csd's own plain decoding, what a
                         # lossless greedy method must reproduce (sampled runs: None, equal in distribution)
                         "identical": run["output"] == runs[i]["reference"] if greedy else None,
@@ -458,6 +490,7 @@ def aggregate(rows: list[dict], runs, methods) -> dict:
         positions = [c["acceptance_by_position"] for c in cells if c["acceptance_by_position"]]
         out[key] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                     "min_tokens_per_s": min(by_round), "max_tokens_per_s": max(by_round),
+                    "first_token_s": statistics.fmean(c["first_token_s"] for c in cells),
                     "mean_accepted": tokens / sum(forwards) if all(forwards) else None,
                     "identical": (f"{sum(c['identical'] for c in cells)}/{len(cells)}"
                                   if all(c["identical"] is not None for c in cells) else None),
@@ -480,8 +513,9 @@ def print_tables(summary: dict, methods: list[str], labels: dict) -> None:
     rows = [{**row, "spread": harness.spread([row["min_tokens_per_s"], row["max_tokens_per_s"]])}
             for row in summary["rows"]]
     print_table(rows, [("method", "method", "s"), ("tokens_per_s", "tokens/s", ".2f"), ("spread", "min-max", "s"),
-                       ("speedup", "vs transformers", ".2f"), ("mean_accepted", "mean accepted", ".2f"),
-                       ("identical", "= greedy", "s"), ("same_as_ar", "= csd AR", "s")])
+                       ("speedup", "vs transformers", ".2f"), ("first_token_s", "first token s", ".2f"),
+                       ("mean_accepted", "mean accepted", ".2f"), ("identical", "= greedy", "s"),
+                       ("same_as_ar", "= csd AR", "s")])
     categories = summary["per_category"]
     print("\nper category: tokens/s (speedup over transformers generate)")
     matrix = []
@@ -506,7 +540,7 @@ def profile_methods(runners: dict, labels: dict, ids: list[int], max_new_tokens:
             stopwatch = Stopwatch(engine.device)
             with instrumented(engine, stopwatch):
                 begin = time.perf_counter()
-                _, metrics = method(ids, max_new_tokens)
+                metrics = method(ids, max_new_tokens).metrics
                 seconds = time.perf_counter() - begin
         except Exception as exc:  # noqa: BLE001  the profile is optional; the timed results stand
             harness.progress(f"warning: no profile for {labels[key]} ({type(exc).__name__}: {exc})")

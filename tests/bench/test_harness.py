@@ -124,7 +124,9 @@ def test_compare_summary_keeps_the_median_and_sums_tokens_over_seconds():
     prompts = [{"category": "a"}, {"category": "a"}, {"category": "b"}]
     encoded = [[1, 2], [3], [4, 5, 6]]
     seconds = {"hf": [[1.0, 3.0], [2.0, 2.0], [1.0, 1.0]], "ar": [[1.0, 1.0], [1.0, 3.0], [0.5, 0.5]]}
-    runs = [{key: {"seconds": seconds[key][i], "tokens": 10, "output": [i], "target_forwards": 5 if key == "ar" else None,
+    first = {"hf": [[0.2, 0.4], [0.1, 0.1], [0.3, 0.3]], "ar": [[0.5, 0.1], [0.2, 0.2], [0.2, 0.2]]}
+    runs = [{key: {"seconds": seconds[key][i], "first_token_s": first[key][i], "tokens": 10, "output": [i],
+                   "target_forwards": 5 if key == "ar" else None,
                    "acceptance_by_position": [1.0, 0.5] if key == "ar" and i == 0 else None}
              for key in seconds} | {"reference": [i]} for i in range(3)]
     summary = compare.summarize(prompts, encoded, runs, ["hf", "ar"], {"hf": "HF", "ar": "AR"})
@@ -132,6 +134,8 @@ def test_compare_summary_keeps_the_median_and_sums_tokens_over_seconds():
     assert a["hf"]["tokens_per_s"] == pytest.approx(20 / 4.0)  # medians 2 + 2
     assert a["ar"]["tokens_per_s"] == pytest.approx(20 / 3.0)  # medians 1 + 2
     assert a["ar"]["speedup"] == pytest.approx(4.0 / 3.0)
+    assert a["hf"]["first_token_s"] == pytest.approx((0.3 + 0.1) / 2)  # per prompt the median, then the mean
+    assert summary["overall"]["ar"]["first_token_s"] == pytest.approx((0.3 + 0.2 + 0.2) / 3)
     assert (a["hf"]["min_tokens_per_s"], a["hf"]["max_tokens_per_s"]) == pytest.approx((20 / 5.0, 20 / 3.0))
     assert summary["overall"]["ar"]["mean_accepted"] == pytest.approx(2.0)
     assert summary["overall"]["ar"]["acceptance_by_position"] == [1.0, 0.5]
@@ -238,7 +242,7 @@ def test_compare_samples_every_method_alike_and_reproducibly():
         for key in ("hf", "ar"):
             name_, own = compare.method_args(args, key)
             method = compare.METHODS[name_][1](setup, own)
-            outputs[name, key] = [method(ids, 24)[0] for _ in range(2)]
+            outputs[name, key] = [method(ids, 24).tokens for _ in range(2)]
     for key in ("hf", "ar"):
         first, again = outputs["sampled", key]
         assert first == again, f"{key}: a seeded sampled run drew other tokens the second time"

@@ -79,6 +79,8 @@ def test_compare_dry_run(tmp_path):
     assert list(record["per_category"]) == ["coding", "chat"]  # round-robin over the categories
     for prompt in record["per_prompt"]:
         assert all(len(prompt[key]["seconds"]) == 2 for key in record["methods"])
+        # every method's first token came within its own run (transformers' by the streamer, csd's by its metrics)
+        assert all(0 < prompt[key]["first_token_s"] <= max(prompt[key]["seconds"]) for key in record["methods"])
     assert record["overall"]["hf"]["speedup"] == pytest.approx(1.0)
     assert record["overall"]["spec-model"]["acceptance_by_position"]
     if "ar" in record["methods"]:  # equality with csd's own plain decoding, per method
