@@ -570,7 +570,7 @@ class Scheduler:
                 prompt = self.slots[row].prompt[:-1]
                 block[row - lo] = prompt[0] if prompt else 0  # padding from the row's own prompt: never another
                 block[row - lo, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)  # token's NaN
-            for runner in self.engine.models():  # every prompt but its last token, right-padded
+            for runner in self._cached_models():  # every prompt but its last token, right-padded
                 runner.prefill(slice(lo, hi), runner.own_ids(block.to(runner.device)))
         self._go_live(whole)
         return bool(whole)
@@ -585,7 +585,7 @@ class Scheduler:
                 break
             start = request.prefilled
             chunk = request.prompt[start:min(start + budget, len(request.prompt) - 1)]
-            for runner in self.engine.models():
+            for runner in self._cached_models():
                 runner.prefill(slice(request.row, request.row + 1),
                                runner.own_ids(torch.tensor([chunk], device=runner.device)), start)
             self._prefill(request.row, chunk, start)
@@ -595,6 +595,14 @@ class Scheduler:
         self._go_live(done)
         return bool(done)
 
+    def _cached_models(self) -> list:
+        """The target and the drafters whose caches the decoder reads (Decoder.drafters_used):
+        the models a prompt is prefilled into."""
+        used, models = self.decoder.drafters_used, self.engine.models()
+        if used is None:
+            return models
+        return [models[0], *(m for m in models[1:] if any(m is self.engine.drafters[i] for i in used))]
+
     def _prefill(self, row: int, chunk: list[int], start: int) -> None:
         """Book a prefilled chunk of a masked row: its committed length and caches end after it."""
         request, end = self.slots[row], start + len(chunk)
@@ -602,7 +610,7 @@ class Scheduler:
         self.state.committed[row] = end
         self.state.max_committed = max(self.state.max_committed, end)
         self.state.pending[row] = request.prompt[end]
-        for runner in self.engine.models():
+        for runner in self._cached_models():
             runner.cache.lengths[row] = end
 
     def _go_live(self, requests: list) -> None:
@@ -622,8 +630,10 @@ class Scheduler:
         state.offset[index] = 0
         mask = torch.zeros(rows, dtype=torch.bool, device=dev)
         mask[index] = True
-        for runner in self.engine.models():
-            runner.cache.lengths[index.to(runner.device)] = state.committed[index].to(runner.device)
+        cached = self._cached_models()
+        for runner in self.engine.models():  # a model the decoder does not run holds nothing of these rows
+            runner.cache.lengths[index.to(runner.device)] = state.committed[index].to(runner.device) \
+                if any(runner is c for c in cached) else 0
             runner.nonfinite_rows.masked_fill_(mask.to(runner.device), False)
         state.metrics.reset_rows(mask)
         self.decoder.admit(state, mask)

@@ -14,6 +14,7 @@ class Autoregressive:
 
 class AutoregressiveDecoder(Decoder):
     max_tokens_per_forward = 1
+    drafters_used = ()  # an engine's drafters sit idle: their prefills would be wasted (a long prompt's seconds)
 
     def __init__(self, models: Models):
         self.models = models

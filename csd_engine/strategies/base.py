@@ -223,6 +223,8 @@ class Decoder:
     max_tokens_per_forward: int = 1  # the widest target forward a step feeds (cache headroom, position counters)
     sources: tuple = ()  # the draft sources whose verdicts StepMetrics.source_* count, by index
     step_graphs: bool = True  # False: the step is not one stream's device work, never captured
+    # the drafters (indexes) whose caches the steps read; the scheduler prefills only these. None: all
+    drafters_used: tuple[int, ...] | None = None
 
     def start(self, state: DecodeState) -> None:
         """Once per scheduler, before any request: the per-row state the decoder carries

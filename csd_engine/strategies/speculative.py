@@ -121,6 +121,7 @@ class SpeculativeDecoder(Decoder):
         self.models = models
         self.drafter = models.drafters[drafter_index]
         self.drafter_index = drafter_index
+        self.drafters_used = (drafter_index,)
         self.k = k
         self.min_confidence = min_confidence
         self.max_tokens_per_forward = k + 2

@@ -406,3 +406,30 @@ def test_a_tie_at_a_tiny_temperature_is_a_fair_coin(strategy):
     assert set(first.tolist()) <= {top, twin}
     assert_distribution((first == top).long(), torch.tensor([0.5, 0.5]))
     assert results[0].logprobs[0] == pytest.approx(math.log(0.5), abs=1e-5)
+
+
+def test_prompts_go_only_into_the_models_a_strategy_runs():
+    """Autoregressive on an engine with drafters prefills the target alone (a long prompt's
+    drafter prefill costs seconds on a CPU), Speculative its own drafter; each still equals plain
+    decoding, also when a drafting strategy follows on the same rows, and chunked prefills too."""
+    target, drafter = tiny_llama(seed=3), tiny_llama(seed=4, layers=1)
+    prompts = random_prompts(3, lo=2, hi=20, seed=5)
+    engine = Engine(target, drafters=[drafter, "mag"], max_batch_size=3, max_seq_len=96)
+    calls = []
+    for i, runner in enumerate(engine.models()):
+        prefill = runner.prefill
+        runner.prefill = lambda rows, ids, start=0, i=i, prefill=prefill: calls.append(i) or prefill(rows, ids, start)
+    params = SamplingParams(max_new_tokens=12)
+    plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+    assert calls and set(calls) == {0}, "the drafters were prefilled for Autoregressive"
+    assert int(engine.drafters[0].cache.lengths.abs().sum()) == 0, "an idle drafter holds nothing"
+    calls.clear()
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=Speculative(k=3, drafter=0))] == plain
+    assert set(calls) == {0, 1}  # MaG's prefill is not Speculative's to call either
+    calls.clear()
+    with engine.scheduler(Autoregressive(), prefill_chunk=4) as scheduler:
+        ids = [scheduler.add(prompt, params) for prompt in prompts]
+        done = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o.result.token_ids for o in scheduler.step() if o.finished})
+    assert [done[i] for i in ids] == plain and set(calls) == {0}
