@@ -92,7 +92,7 @@ def sampling(args) -> dict:
 class Output:
     """One method's generation of one prompt."""
     tokens: list[int]
-    first_token_s: float  # from the call to its first new token: the prompt's prefill (every model's) and one step
+    first_token_s: float  # from the call to its first new token: the prefill by each model it runs, one step
     metrics: object = None  # csd_engine's Metrics; None for transformers' methods
 
 
