@@ -201,6 +201,7 @@ class CascadeDecoder(Decoder):
         self.levels = plan
         self.sources = plan.all_sources()
         self.neural = sorted({s.drafter for s in self.sources if s.below is not None})
+        self.drafters_used = tuple(self.neural)  # a drafter K gives no tokens to is never run: no prefill
         self.mag = next((d for d in models.drafters if isinstance(d, MaG)), None)
         self.lenience = lenience
         self.mag_tokens = mag_tokens

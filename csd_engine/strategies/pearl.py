@@ -151,6 +151,7 @@ class PearlDecoder(Decoder):
         self.target = models.target
         self.drafter = models.drafters[drafter_index]
         self.drafter_index = drafter_index
+        self.drafters_used = (drafter_index,)
         self.verifier = models.verifier
         self.gamma = gamma
         self.adaptive = adaptive

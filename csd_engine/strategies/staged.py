@@ -96,6 +96,7 @@ class StagedDecoder(Decoder):
         self.models = models
         self.drafter = models.drafters[config.drafter]
         self.drafter_index = config.drafter
+        self.drafters_used = (config.drafter,)  # MaG keeps no cache; other neural drafters sit idle
         self.branching = config.branching
         self.mag_tokens = config.mag_tokens
         parents = branching_parents(config.branching)

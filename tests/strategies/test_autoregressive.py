@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 import csd_engine
-from csd_engine import Autoregressive, Engine, SamplingParams, Speculative
+from csd_engine import Autoregressive, Cascade, Engine, Pearl, SamplingParams, Speculative, Staged
 from tests.strategies.common import assert_samples_follow_target
 from tests.tiny_models import VOCAB, random_prompts, tiny_gpt2, tiny_llama, tiny_qwen2
 
@@ -433,3 +433,26 @@ def test_prompts_go_only_into_the_models_a_strategy_runs():
         while len(done) < len(ids):
             done.update({o.request_id: o.result.token_ids for o in scheduler.step() if o.finished})
     assert [done[i] for i in ids] == plain and set(calls) == {0}
+
+
+@pytest.mark.parametrize("strategy", [
+    Speculative(k=3, drafter=1),
+    Pearl(gamma=2, drafter=1, overlap=True),  # its own decoder (on one device it runs the chain)
+    Staged(branching=(2, 2), drafter=1, mag_tokens=2),
+    Cascade(k_matrix=[[0, 2, 2], [0, 0, 0], [0, 0, 3]], lenience=2),  # K gives drafter 0 nothing
+], ids=["speculative", "pearl", "staged", "cascade"])
+def test_a_drafter_the_strategy_never_runs_is_not_prefilled(strategy):
+    """With two neural drafters, a strategy that runs only the second prefills the target and
+    that one; its tokens still equal plain decoding."""
+    target, idle, drafter = tiny_llama(seed=3), tiny_llama(seed=4, layers=1), tiny_llama(seed=6, layers=1)
+    prompts = random_prompts(3, lo=2, hi=20, seed=7)
+    engine = Engine(target, drafters=[idle, drafter, "mag"], max_batch_size=3, max_seq_len=96)
+    params = SamplingParams(max_new_tokens=12)
+    plain = [r.token_ids for r in engine.generate(prompts, params, strategy=Autoregressive())]
+    calls = []
+    for i, runner in enumerate(engine.models()):
+        prefill = runner.prefill
+        runner.prefill = lambda rows, ids, start=0, i=i, prefill=prefill: calls.append(i) or prefill(rows, ids, start)
+    assert [r.token_ids for r in engine.generate(prompts, params, strategy=strategy)] == plain
+    assert set(calls) == {0, 2}, f"prefilled models {sorted(set(calls))} (0: target, 1: the idle drafter)"
+    assert int(engine.drafters[0].cache.lengths.abs().sum()) == 0, "the idle drafter holds nothing"
