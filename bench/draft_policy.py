@@ -44,7 +44,7 @@ from bench.common import encode, load_prompts, order_by_category, print_table  #
 from csd_engine import Autoregressive, SamplingParams  # noqa: E402
 from csd_engine.models.llama import LlamaRunner  # noqa: E402
 from csd_engine.models.runner import ForwardBatch  # noqa: E402
-from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets_ref  # noqa: E402
+from csd_engine.kernels.draft_budget import Counts, Grid, Prices, draft_budgets_ref  # noqa: E402
 
 WIDTHS = (1, 2, 3, 5, 9, 17)  # forward widths timed for width(n); wider ones extend the last slope
 MAG_TOKENS = 16  # the longest MaG proposal recorded (the cascade's direct_tokens)
@@ -110,10 +110,12 @@ class SpeculativeAutoRule:
     prior_rate: float = 0.8
 
     def choose(self, trace, t, memory, costs):
-        grid = Grid(self.max_tokens, 0, (), costs.drafter, self.prior, self.prior_rate, stops_early=False)
+        grid = Grid(self.max_tokens, 0, (), self.prior, self.prior_rate, stops_early=False)
         counts = Counts((torch.tensor([memory.get("accepted", 0.0)]), torch.tensor([memory.get("checked", 0.0)])),
                         None, None, None)
-        return Step(model=int(draft_budgets_ref(grid, costs.table(self.max_tokens + 1), counts)[1, 0]))
+        model = torch.tensor([float(costs.drafter)])
+        prices = Prices(costs.table(self.max_tokens + 1), model, model)
+        return Step(model=int(draft_budgets_ref(grid, prices, counts)[1, 0]))
 
     def learn(self, memory, step, drafted, accepted):
         if step.model:

@@ -194,6 +194,7 @@ class Engine:
             if not isinstance(d, MaG) and _indexed(d.device) != self.drafter_device:
                 raise ValueError(f"drafter {i} is a runner on {d.device}, but the engine puts drafters on "
                                  f"{self.drafter_device} (drafter_device): build it there or pass a model")
+        self.batch_invariant = batch_invariant
         if batch_invariant:
             self._make_batch_invariant()
         self.max_seq_len = self._sequence_limit(max_seq_len)
@@ -350,7 +351,7 @@ class Engine:
 
     def _decoder_models(self) -> Models:
         return Models(self.target, self.drafters, self.verifier, self.capacity, self.device, self.drafter_device,
-                      trim_drafts=self.trim_drafts)
+                      trim_drafts=self.trim_drafts, batch_invariant=self.batch_invariant)
 
     # ----------------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -7,7 +7,8 @@ MaG tokens (strategies/cascade_auto.py derives the formula; Speculative.auto() i
 M = 0 and no tree), the row picks the first choice (t-, a-, c-, g-major order: no tree, fewest drafts) whose value
 is within TIE (relative) of the most
 
-    value = (tokens + t gain) / (width[1 + a + g' + t nodes(a + g')] + reviews (model_cost + width[1 + c] - 1))
+    value = (tokens + t gain) / (width[1 + a + g' + t nodes(a + g')] + reviews (model + width[1 + c] - 1)
+                                 + [a > 0] (first - model))
     tokens = geo(alpha, a) + alpha^a (geo(gamma, g') - 1),   geo(r, n) = 1 + r + ... + r^n
     reviews = ceil(a / (1 + beta c)) where the rounds stop early, else a
     gain = sigma (1 - alpha) (sum over depths d <= a with siblings of alpha^(d - 1))
@@ -18,7 +19,8 @@ choices whose c > max(a - 1, 0) excluded. Rates are counted: (accepted + prior_r
 
 Why a kernel: the reference is ~50-80 tensor ops over a [B, T, A+1, M+1, M+1] grid, each a
 kernel launch that a step graph replays every step; here one program per row evaluates its grid
-(at most a few hundred choices) in registers. Values differ from the reference's in the last
+(at most a few hundred choices) in registers. The prices (Prices: width, model) are device
+tensors, so a step graph replays whichever the strategy selected for its rows. Values differ from the reference's in the last
 bits (exp2/log2 powers); choices equal in exact arithmetic are common (the prior rates give
 equal values to several MaG budgets), and the tolerance makes both take the first of them
 rather than whichever rounding favours. Only values straddling the tolerance can still be
@@ -43,7 +45,6 @@ class Grid:
     max_tokens: int  # A: the model's largest budget (0: no neural drafter)
     mag_tokens: int  # M: MaG's largest top-level budget and tokens per review (0: no MaG)
     tree: tuple  # candidates per depth of the top-level tree, trunk token included (Cascade.tree); (): none
-    model_cost: float  # the model's forward relative to a one-token target forward
     prior: float  # drafts' worth of the prior rates
     prior_rate: float  # alpha's prior rate (gamma's, beta's and sigma's: 0.5)
     stops_early: bool  # a step's review rounds end once no row needs more (else: a reviews)
@@ -51,6 +52,17 @@ class Grid:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return 2 if self.tree else 1, self.max_tokens + 1, self.mag_tokens + 1, self.mag_tokens + 1
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What the choices cost, in one-token target forwards of the step's rows
+    (strategies/budget.py)."""
+
+    width: torch.Tensor  # [W] float32: a target forward over w tokens per row, w = 0..W-1 (0 costs as 1)
+    model: torch.Tensor  # [1] float32: one forward of the model, one token per row
+    first: torch.Tensor  # [1] float32: a draft's first model forward (it catches up on the target's last token)
+    shared: bool = False  # the step's rows take one choice (draft_budgets_ref's shared_by)
 
 
 @dataclass
@@ -84,8 +96,9 @@ def _rate(accepted_ptr, checked_ptr, row, prior, prior_rate, PRESENT: tl.constex
 
 @triton.jit
 def _budget_kernel(model_acc_ptr, model_chk_ptr, mag_acc_ptr, mag_chk_ptr, review_acc_ptr, review_chk_ptr,
-                   sibling_acc_ptr, sibling_chk_ptr, ready_ptr, width_ptr, nodes_ptr, extra_ptr, pick_ptr, batch,
-                   model_cost, prior, prior_rate, A: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                   sibling_acc_ptr, sibling_chk_ptr, ready_ptr, width_ptr, model_ptr, first_ptr, nodes_ptr, extra_ptr,
+                   pick_ptr,
+                   batch, prior, prior_rate, A: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                    TREES: tl.constexpr, NEURAL: tl.constexpr, HAS_MAG: tl.constexpr, STOPS_EARLY: tl.constexpr,
                    HAS_READY: tl.constexpr, BLOCK: tl.constexpr):
     # STOPS_EARLY: a neural grid whose review rounds end once the row has its tokens (beta counts)
@@ -108,7 +121,8 @@ def _budget_kernel(model_acc_ptr, model_chk_ptr, mag_acc_ptr, mag_chk_ptr, revie
         reviews = tl.math.ceil(af / (1 + beta * cf))
     else:
         reviews = af
-    review_cost = model_cost + tl.load(width_ptr + 1 + c) - 1
+    model = tl.load(model_ptr)
+    review_cost = model + tl.load(width_ptr + 1 + c) - 1
     width = 1 + a + g
     if TREES == 2:
         gain = tl.zeros([BLOCK], dtype=tl.float32)
@@ -118,7 +132,8 @@ def _budget_kernel(model_acc_ptr, model_chk_ptr, mag_acc_ptr, mag_chk_ptr, revie
             reach = reach * alpha
         tokens += tl.where(t == 1, sigma * (1 - alpha) * gain, 0.0)
         width += tl.where(t == 1, tl.load(nodes_ptr + a + g), 0)
-    value = tokens / (tl.load(width_ptr + width) + reviews * review_cost)
+    catch_up = tl.where(a > 0, tl.load(first_ptr) - model, 0.0)
+    value = tokens / (tl.load(width_ptr + width) + reviews * review_cost + catch_up)
     value = tl.where((i < TREES * (A + 1) * N * N) & (c <= tl.maximum(a - 1, 0)), value, float("-inf"))
     top = tl.max(value, axis=0)
     best = tl.min(tl.where(value >= top - _TIE * tl.abs(top), i, BLOCK), axis=0)  # the first (near-)best
@@ -137,26 +152,28 @@ def _tree_tables(tree: tuple, drafts: int, device: torch.device) -> tuple[torch.
     return torch.cat([extra.new_zeros(1), extra.cumsum(0)])[depth], extra
 
 
-def _check(grid: Grid, width_costs: torch.Tensor, counts: Counts) -> None:
+def _check(grid: Grid, prices: Prices, counts: Counts) -> None:
     if (counts.model is None) != (grid.max_tokens == 0) or (counts.mag is None) != (grid.mag_tokens == 0) \
             or (counts.siblings is None) != (not grid.tree) or (grid.stops_early and counts.model is not None
                                                                 and counts.reviews is None):
         raise ValueError(f"draft budget counts {counts} do not match the grid {grid}")
     need = 2 + grid.max_tokens + grid.mag_tokens + sum(b - 1 for b in grid.tree)  # widths 0 .. 1 + a + g + nodes
-    if width_costs.dim() != 1 or width_costs.numel() < need:
-        raise ValueError(f"width_costs must be a 1-D table of at least {need} forward costs (widths 0..{need - 1}), "
-                         f"got {list(width_costs.shape)}")
+    if prices.width.dim() != 1 or prices.width.numel() < need:
+        raise ValueError(f"prices.width must be a 1-D table of at least {need} forward costs (widths 0..{need - 1}), "
+                         f"got {list(prices.width.shape)}")
+    for name in ("model", "first"):
+        if getattr(prices, name).shape != (1,):
+            raise ValueError(f"prices.{name} must hold one forward cost, shape [1], got "
+                             f"{list(getattr(prices, name).shape)}")
 
 
-def draft_budgets(grid: Grid, width_costs: torch.Tensor, counts: Counts,
-                  ready: torch.Tensor | None = None) -> torch.Tensor:
+def draft_budgets(grid: Grid, prices: Prices, counts: Counts, ready: torch.Tensor | None = None) -> torch.Tensor:
     """[4, B] int64: each row's chosen (t, a, c, g) in one launch (the module docstring's rule).
-    width_costs [W] float32: a target forward over w tokens relative to one token (budget.width_costs);
     ready [B] int64 or None: MaG's proposal length at the committed end."""
-    _check(grid, width_costs, counts)
+    _check(grid, prices, counts)
     pairs = [counts.model, counts.mag, counts.reviews, counts.siblings]
     batch = next(p[0].shape[0] for p in pairs if p is not None)
-    device = width_costs.device
+    device = prices.width.device
     pick = torch.empty(4, batch, dtype=torch.int64, device=device)
     if batch == 0:
         return pick
@@ -165,8 +182,8 @@ def draft_budgets(grid: Grid, width_costs: torch.Tensor, counts: Counts,
     pointers = [x.contiguous() for p in pairs for x in (p if p is not None else (dummy, dummy))]  # read as [B]
     trees, na, n = grid.shape[:3]
     _budget_kernel[(batch,)](
-        *pointers, ready.contiguous() if ready is not None else dummy, width_costs, nodes, extra, pick, batch,
-        float(grid.model_cost), float(grid.prior), float(grid.prior_rate), A=grid.max_tokens, M=grid.mag_tokens,
+        *pointers, ready.contiguous() if ready is not None else dummy, prices.width, prices.model, prices.first,
+        nodes, extra, pick, batch, float(grid.prior), float(grid.prior_rate), A=grid.max_tokens, M=grid.mag_tokens,
         D=max(1, len(grid.tree)), TREES=trees, NEURAL=counts.model is not None, HAS_MAG=counts.mag is not None,
         STOPS_EARLY=grid.stops_early and counts.model is not None, HAS_READY=ready is not None, BLOCK=triton.next_power_of_2(trees * na * n * n))
     return pick
@@ -176,11 +193,18 @@ def _counted_rate(pair, prior: float, prior_rate: float) -> torch.Tensor:
     return (pair[0] + prior_rate * prior) / (pair[1] + prior)
 
 
-def budget_values_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
+def budget_values_ref(grid: Grid, prices: Prices, counts: Counts,
                       ready: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [B, T * (A+1) * (M+1) * (M+1)] in the kernel's order, g' [B, same]): every choice's
     tokens per cost, -inf where excluded. Fixed-shape tensor ops, no host read."""
-    _check(grid, width_costs, counts)
+    tokens, cost, g, excluded = _tokens_and_costs(grid, prices, counts, ready)
+    return (tokens / cost).masked_fill(excluded, float("-inf")), g
+
+
+def _tokens_and_costs(grid: Grid, prices: Prices, counts: Counts, ready: torch.Tensor | None):
+    """(expected tokens [B, G], cost [B, G], g' [B, G], excluded [G]) of every choice."""
+    _check(grid, prices, counts)
+    width_costs = prices.width
     trees, na, n, _ = grid.shape
     device = width_costs.device
     batch = next(p[0].shape[0] for p in (counts.model, counts.mag, counts.reviews, counts.siblings) if p is not None)
@@ -200,7 +224,7 @@ def budget_values_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
         reviews = torch.ceil(af / (1 + beta * cf))
     else:
         reviews = af.expand(batch, -1)
-    review_cost = grid.model_cost + width_costs[1 + c] - 1
+    review_cost = prices.model + width_costs[1 + c] - 1
     width = 1 + a + g
     if grid.tree:
         nodes, extra = _tree_tables(grid.tree, grid.max_tokens + grid.mag_tokens, device)
@@ -210,14 +234,24 @@ def budget_values_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
         gain = _counted_rate(counts.siblings, grid.prior, 0.5)[:, None] * (1 - rate) * (reach @ sibling_depths.t())
         tokens = tokens + torch.where(t == 1, gain, 0.0)
         width = width + torch.where(t == 1, nodes[a + g], 0)
-    value = tokens / (width_costs[width] + reviews * review_cost)
-    return value.masked_fill(c > (a - 1).clamp(min=0), float("-inf")), g
+    catch_up = torch.where(a > 0, prices.first - prices.model, 0.0)
+    return tokens, width_costs[width] + reviews * review_cost + catch_up, g, c > (a - 1).clamp(min=0)
 
 
-def draft_budgets_ref(grid: Grid, width_costs: torch.Tensor, counts: Counts,
-                      ready: torch.Tensor | None = None) -> torch.Tensor:
-    """The PyTorch reference of `draft_budgets`: [4, B] int64 (t, a, c, g) per row."""
-    value, g = budget_values_ref(grid, width_costs, counts, ready)
+def draft_budgets_ref(grid: Grid, prices: Prices, counts: Counts, ready: torch.Tensor | None = None,
+                      shared_by: torch.Tensor | None = None) -> torch.Tensor:
+    """The PyTorch reference of `draft_budgets`: [4, B] int64 (t, a, c, g) per row.
+    shared_by [B] bool (reference only): these rows take one choice, the best for their tokens
+    summed over their costs summed (where a step is as wide and runs as many reviews as its
+    widest row asks for, what one row saves by asking less, the others spend anyway); every row
+    takes it, its g' clamped by its own `ready`."""
+    tokens, cost, g, excluded = _tokens_and_costs(grid, prices, counts, ready)
+    if shared_by is None:
+        value = tokens / cost
+    else:
+        share = shared_by[:, None].float()
+        value = ((tokens * share).sum(0) / (cost * share).sum(0).clamp_min(1e-30)).expand_as(tokens)
+    value = value.masked_fill(excluded, float("-inf"))
     trees, na, n, _ = grid.shape
     top = value.max(1, keepdim=True).values
     best = (value >= top - TIE * top.abs()).int().argmax(1)  # the first (near-)best, as the kernel's

@@ -38,6 +38,7 @@ class Models:
     device: torch.device
     drafter_device: torch.device
     trim_drafts: bool = False  # the target verifies only up to the longest real draft (verify_chain)
+    batch_invariant: bool = False  # a row's logits, and so its strategy's choices, never depend on its neighbours
 
 
 @dataclass

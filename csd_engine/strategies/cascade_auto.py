@@ -50,8 +50,12 @@ duplicate MaG's and only cost): sigma is the row's counted share of such rejecti
 a sibling (StepMetrics.sibling_*, prior 0.5). Where a forward's width is nearly free (a GPU) the
 tree pays for a modest sigma; where it is not (the CPU curves), rarely.
 
-Nothing here is timed: a seeded request gives the same tokens whatever shares its batch and
-however often it runs. Rows with a long MaG match go direct (Cascade.direct_match,
+At more than one row on a CPU curve the costs are the step's rows' and the rows take one
+choice, the best for their summed tokens (budget.prices): there a forward computes every row as
+wide, and the review rounds run, as the widest row asks for.
+
+Nothing here is timed: a seeded request gives the same tokens however often it runs, and
+whatever shares its batch where each row chooses alone. Rows with a long MaG match go direct (Cascade.direct_match,
 direct_tokens): their tokens do not count toward gamma, and they check no tree.
 """
 from dataclasses import dataclass
@@ -63,7 +67,7 @@ from csd_engine.drafters.mag import MaG
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
 from csd_engine.strategies.base import DecodeState, Models, require_one_device
-from csd_engine.strategies.budget import check_pricing, cost_ratio, width_costs
+from csd_engine.strategies.budget import PriceBook, check_pricing, cost_ratio
 from csd_engine.strategies.cascade import CascadeDecoder, check_settings, check_tree_fits, checked_tree, compile_plan
 
 
@@ -104,9 +108,8 @@ class AutoCascade:
         cost = self.model_cost
         if cost is None and len(kinds) == 2:
             cost = cost_ratio(models, 0)
-        costs = width_costs(models, self.width_cost, 1 + a + m + sum(b - 1 for b in self.tree))
         return AutoCascadeDecoder(models, plan, float(self.lenience), m, self.tree, self.direct_match,
-                                  self.direct_tokens, self, cost or 0.0, costs)
+                                  self.direct_tokens, self, cost or 0.0)
 
 
 class AutoCascadeDecoder(CascadeDecoder):
@@ -115,29 +118,40 @@ class AutoCascadeDecoder(CascadeDecoder):
     reads_proposal = True  # with a = 0, g is at most what MaG proposes now
 
     def __init__(self, models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens, config: AutoCascade,
-                 model_cost: float, width_costs: torch.Tensor):
+                 model_cost: float):
         super().__init__(models, plan, lenience, mag_tokens, tree, direct_match, direct_tokens)
-        self.config, self.width_costs = config, width_costs
+        self.config = config
         top = self.levels.sources
         self.neural_source = next((s for s in top if s.below is not None), None)
         self.mag_source = next(s for s in top if s.below is None)
         below = self.neural_source.below.sources if self.neural_source else ()
         self.sub_mag_source = below[0] if below else None  # None: the model drafts alone (the device path)
         # the choice grid's host constants (kernels/draft_budget.py: one launch on a GPU)
-        self.grid = Grid(config.max_tokens if self.neural_source else 0, mag_tokens, self.tree, model_cost,
-                         config.prior, config.prior_rate, stops_early=models.trim_drafts)
+        self.grid = Grid(config.max_tokens if self.neural_source else 0, mag_tokens, self.tree, config.prior,
+                         config.prior_rate, stops_early=models.trim_drafts)
+        widest = 1 + config.max_tokens + mag_tokens + sum(b - 1 for b in self.tree)
+        self.prices = PriceBook(models, config.width_cost, model_cost, widest, 0 if self.neural_source else None)
+
+    def start(self, state: DecodeState) -> None:
+        super().start(state)
+        self.prices(state.batch)
 
     def plan_budgets(self, state: DecodeState, direct: torch.Tensor, ready: torch.Tensor | None):
         """Each row's best (t, a, c, g) as budgets, caps and whether it wants the tree (None
         without one)."""
         budgets, caps = self.k_budgets(state, direct)
-        counts, top_mag, neural = state.metrics, self.mag_source.index, self.neural_source
-        model = None if neural is None else (counts.source_accepted[neural.index], counts.source_checked[neural.index])
-        reviews = (counts.level_accepted[1], counts.level_drafted[1]) if neural and self.grid.stops_early else None
-        siblings = (counts.sibling_accepted, counts.sibling_checked) if self.tree else None
-        choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref
-        pick_t, pick_a, pick_c, pick_g = choose(self.grid, self.width_costs, Counts(
-            model, (counts.source_accepted[top_mag], counts.source_checked[top_mag]), reviews, siblings), ready)
+        m, top_mag, neural = state.metrics, self.mag_source.index, self.neural_source
+        model = None if neural is None else (m.source_accepted[neural.index], m.source_checked[neural.index])
+        reviews = (m.level_accepted[1], m.level_drafted[1]) if neural and self.grid.stops_early else None
+        siblings = (m.sibling_accepted, m.sibling_checked) if self.tree else None
+        counts = Counts(model, (m.source_accepted[top_mag], m.source_checked[top_mag]), reviews, siblings)
+        prices = self.prices(state.batch)
+        if prices.shared:  # the active rows that do not go direct take one choice (budget.prices)
+            pick_t, pick_a, pick_c, pick_g = draft_budgets_ref(self.grid, prices, counts, ready,
+                                                               shared_by=state.active & ~direct)
+        else:
+            choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref
+            pick_t, pick_a, pick_c, pick_g = choose(self.grid, prices, counts, ready)
         if self.neural_source is not None:
             budgets[self.neural_source.index] = torch.where(direct, budgets[self.neural_source.index], pick_a)
         if self.sub_mag_source is not None:

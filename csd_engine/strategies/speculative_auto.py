@@ -11,7 +11,8 @@ tokens: optimistic, because a row learns its rate only by drafting (at 0.5 a dra
 more than half a target forward per token would never be tried). a = 0 is plain decoding: where
 no row drafts, the drafter sits out the step and catches up on the row's next draft. Within a
 step the drafter also stops a row before a token its top probability puts under
-`min_confidence`.
+`min_confidence`. At more than one row on a CPU curve the costs are the step's rows' and the
+rows take one length, the best for their summed tokens (budget.prices).
 """
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from csd_engine.strategies.base import (DRAFT_STREAM, DecodeState, Draft, Models
                                         commit, roll_back_drafters, verify_chain)
 from csd_engine.kernels import use_kernels
 from csd_engine.kernels.draft_budget import Counts, Grid, draft_budgets, draft_budgets_ref
-from csd_engine.strategies.budget import check_pricing, cost_ratio, width_costs
+from csd_engine.strategies.budget import PriceBook, check_pricing, cost_ratio
 from csd_engine.strategies.speculative import SpeculativeDecoder, check_confidence, check_drafter, draft_chain
 
 
@@ -50,25 +51,31 @@ class AutoSpeculative:
             raise ValueError("Speculative.auto() tunes a neural drafter's draft length; MaG's drafts are already "
                              "only what it matched: use Speculative(k=...) with MaG")
         cost = cost_ratio(models, self.drafter) if self.model_cost is None else self.model_cost
-        costs = width_costs(models, self.width_cost, self.max_tokens + 1)
-        return AutoSpeculativeDecoder(models, self, float(cost), costs)
+        return AutoSpeculativeDecoder(models, self, float(cost))
 
 
 class AutoSpeculativeDecoder(SpeculativeDecoder):
     sources = ("drafter",)  # one top-level source: StepMetrics.source_* count the target's verdicts on its tokens
 
-    def __init__(self, models: Models, config: AutoSpeculative, model_cost: float, width_costs: torch.Tensor):
+    def __init__(self, models: Models, config: AutoSpeculative, model_cost: float):
         super().__init__(models, config.max_tokens, config.drafter, config.min_confidence)
-        self.config, self.width_costs = config, width_costs
+        self.config = config
         # a chain is the draft-budget grid without MaG or a tree (kernels/draft_budget.py)
-        self.grid = Grid(config.max_tokens, 0, (), model_cost, config.prior, config.prior_rate, stops_early=False)
+        self.grid = Grid(config.max_tokens, 0, (), config.prior, config.prior_rate, stops_early=False)
+        self.prices = PriceBook(models, config.width_cost, model_cost, config.max_tokens + 1, config.drafter)
+
+    def start(self, state: DecodeState) -> None:
+        self.prices(state.batch)
 
     def budget(self, state: DecodeState) -> torch.Tensor:
         """[B] each active row's draft length for the next step (0 for the others): the plan's
         second column, which the step reads on the device (state.plan)."""
         counts = Counts((state.metrics.source_accepted[0], state.metrics.source_checked[0]), None, None, None)
+        prices = self.prices(state.batch)
+        if prices.shared:  # the active rows take one length (budget.prices)
+            return draft_budgets_ref(self.grid, prices, counts, shared_by=state.active)[1] * state.active
         choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref  # one launch on a GPU
-        return choose(self.grid, self.width_costs, counts)[1] * state.active
+        return choose(self.grid, prices, counts)[1] * state.active
 
     def plan(self, state: DecodeState) -> torch.Tensor:
         """[B, 2]: how far the drafter's cache trails the committed prefix, the row's draft length."""

@@ -623,26 +623,61 @@ def test_auto_prices_width_by_platform(forced, native_bf16, models, monkeypatch)
             engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=dtype)
             on_kernel = dtype == torch.bfloat16 and ops.bf16_kernel_pays()
             kernel = on_kernel and not native_bf16
-            costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
+            costs = Cascade.auto().decoder(engine._decoder_models()).prices(1).width
             expected = [1, 1, 1, 1.07, 1.13, 1.36, 1.48, 1.85, 1.95, 2.19] if kernel else \
                 [1, 1, 1.1, 1.1, 1.11, 1.12, 1.305, 1.49, 1.57, 1.65] if on_kernel else \
                 [1, 1, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
             assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
-            chain = Speculative.auto(max_tokens=8).decoder(engine._decoder_models()).width_costs
+            chain = Speculative.auto(max_tokens=8).decoder(engine._decoder_models()).prices(1).width
             assert chain.tolist() == pytest.approx(expected, abs=1e-4)
-            linear = Cascade.auto(width_cost=0.1).decoder(engine._decoder_models()).width_costs
+            linear = Cascade.auto(width_cost=0.1).decoder(engine._decoder_models()).prices(1).width
             assert linear[5] == pytest.approx(1.4)
             # between points (10 tokens: halfway from 2.19x at 9 to 2.66x at 11), and past the
             # last (17 tokens, 3.87x) at its last slope, 0.23 a token
-            wide = Cascade.auto(max_tokens=20).decoder(engine._decoder_models()).width_costs
+            wide = Cascade.auto(max_tokens=20).decoder(engine._decoder_models()).prices(1).width
             assert wide[10] == pytest.approx(2.425 if kernel else 1.75 if on_kernel else 1.18)
-            assert wide[25] == pytest.approx(5.71 if kernel else 3.56 if on_kernel else 1.48)
+            # the AVX-512 curve's points past 17 tokens price torch's matmul there (24: 3.3x, 32: 3.75x)
+            assert wide[25] == pytest.approx(5.71 if kernel else 3.35625 if on_kernel else 1.48)
     finally:
         monkeypatch.undo()
         ops.bf16_kernel_pays.cache_clear()
     with pytest.raises(ValueError, match=r"width_cost=\.\.\.\) must be a number >= 0"):
         Cascade.auto(width_cost=-0.1)
 
+
+
+def test_on_a_cpu_curve_a_step_of_several_rows_is_priced_by_its_rows_and_chosen_for_all(models, monkeypatch):
+    """Where a CPU curve prices the target, a step of r rows forwards r times the tokens, so the
+    self-tuning strategies price a forward of w tokens a row at curve(r w) / curve(r), the model's
+    forward at model_cost curve(r) / curve(r) and its first at model_cost curve(2r) / curve(r), and
+    the active rows share one choice. One row, batch_invariant=True and a given width_cost keep
+    one row's prices, chosen per row. Greedy output still equals plain decoding, ragged prompts."""
+    from csd_engine.strategies import budget
+    from csd_engine.strategies.base import StepMetrics
+    target, d1, _ = models
+    curve = budget.AVX512_KERNEL_WIDTH_COSTS
+    monkeypatch.setattr(budget, "target_curve", lambda models: curve)
+    on = lambda x: float(budget._on_curve(curve, torch.tensor(float(x), dtype=torch.float64)))  # noqa: E731
+    engine = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=64)
+    decoder = Speculative.auto(max_tokens=4, model_cost=0.1).decoder(engine._decoder_models())
+    one, three = decoder.prices(1), decoder.prices(3)
+    assert not one.shared and one.width[:6].tolist() == pytest.approx([1, 1, 1.1, 1.1, 1.11, 1.12], abs=1e-4)
+    assert three.shared
+    assert three.width.tolist() == pytest.approx([on(3 * max(w, 1)) / on(3) for w in range(6)], rel=1e-5)
+    assert float(three.model) == pytest.approx(0.1) and float(three.first) == pytest.approx(0.1 * on(6) / on(3))
+    assert not Speculative.auto(width_cost=0.02).decoder(engine._decoder_models()).prices(3).shared
+    invariant = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=64, batch_invariant=True)
+    assert not Speculative.auto().decoder(invariant._decoder_models()).prices(3).shared
+    # rows that counted 0.97 and 0.1 acceptance, and an inactive one: the active rows draft alike
+    state = SimpleNamespace(metrics=StepMetrics.zeros(3, "cpu", levels=2, sources=1), batch=3,
+                            pending=torch.zeros(3, dtype=torch.int64), active=torch.tensor([True, True, False]))
+    state.metrics.source_accepted[0] = torch.tensor([970, 100, 0])
+    state.metrics.source_checked[0] = torch.tensor([1000, 1000, 0])
+    lengths = decoder.budget(state).tolist()
+    assert lengths[0] == lengths[1] and lengths[2] == 0, lengths
+    prompts = random_prompts(3, lo=3, hi=20, seed=41)
+    for strategy in (Speculative.auto(max_tokens=4), Cascade.auto(max_tokens=4)):
+        assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=16)
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
@@ -665,7 +700,7 @@ def test_the_kernel_runs_on_a_cpu_with_amx_and_width_is_priced_by_its_curve(isa,
             pytest.skip("the extension's bf16 kernel is not built here")
         assert ops.bf16_kernel_on_amx() == (isa == "amx")
         engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32, dtype=torch.bfloat16)
-        costs = Cascade.auto().decoder(engine._decoder_models()).width_costs
+        costs = Cascade.auto().decoder(engine._decoder_models()).prices(1).width
         expected = [1, 1, 1.02, 1.03, 1.09, 1.15, 1.205, 1.26, 1.27, 1.28] if isa == "amx" else \
             [1, 1, 1.09, 1.16, 1.22, 1.36, 1.69, 2.02, 2.095, 2.17]
         assert costs[:10].tolist() == pytest.approx(expected, abs=1e-4)
@@ -684,9 +719,9 @@ def test_auto_prices_a_float32_target_that_streams_its_weights_by_the_float32_cu
     target, d1, _ = models
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
     decoder_models = engine._decoder_models()
-    assert Speculative.auto().decoder(decoder_models).width_costs[2] == pytest.approx(1.02)
+    assert Speculative.auto().decoder(decoder_models).prices(1).width[2] == pytest.approx(1.02)
     monkeypatch.setattr(LlamaRunner, "weight_bytes", property(lambda self: budget.STREAMED_WEIGHT_BYTES))
-    costs = Speculative.auto(max_tokens=8).decoder(decoder_models).width_costs
+    costs = Speculative.auto(max_tokens=8).decoder(decoder_models).prices(1).width
     assert costs.tolist() == pytest.approx([1, 1, 2.15, 3.04, 2.09, 2.24, 2.61, 2.98, 2.81, 2.64], abs=1e-4)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     result = engine.generate([[5, 9, 2, 7]], params, strategy=Speculative.auto(model_cost=0.33))[0]
