@@ -17,6 +17,7 @@ their JSON; run it alone to redraw recorded ones, e.g. the README's):
 * tune JSON -> X-configs.png: tokens/s per configuration of the grid, Autoregressive and
   Cascade.auto() (highlighted).
 * autoregressive JSON -> X-tokens.png: tokens/s per method.
+* batch JSON -> X-batch.png: tokens/s over Autoregressive's per strategy, one bar per batch size.
 
 Every file that can be read is drawn; one that cannot (missing, empty, not JSON) or that none
 of these pictures is drawn from is named, and the exit status is then 1. Needs matplotlib (in
@@ -73,6 +74,8 @@ def draw(json_path) -> list[Path]:
         pictures.append(tune_configs(data, Path(f"{stem}-configs.png")))
     if data.get("rows") and "identical_outputs" in data:
         pictures.append(autoregressive(data, Path(f"{stem}-tokens.png")))
+    if data.get("rows") and {"batch", "same_as_ar"} <= set(data["rows"][0]):
+        pictures.append(by_batch_size(data, Path(f"{stem}-batch.png")))
     return [p for p in pictures if p]
 
 
@@ -305,6 +308,15 @@ def autoregressive(data: dict, png: Path) -> Path:
     rows = data["rows"]
     return bars([r["method"] for r in rows], [r["tokens_per_s"] for r in rows], ["tab:blue"] * len(rows),
                 title(data, f"autoregressive decoding, batch 1, {data.get('prompts', '?')} prompts"), png)
+
+
+def by_batch_size(data: dict, png: Path) -> Path:
+    table = {}
+    for row in data["rows"]:
+        table.setdefault(f"batch {row['batch']}", {})[row["strategy"]] = row["speedup"]
+    names = {r["strategy"]: r["strategy"] for r in data["rows"] if r["strategy"] != "autoregressive"}
+    return grouped_bars(table, names, "x autoregressive at the same batch size (1.0 dashed)",
+                        title(data, f"tokens/s by batch size, {data.get('prompts', '?')} prompts"), png)
 
 
 def bars(names: list[str], values: list[float], colors: list[str], heading: str, png: Path) -> Path:

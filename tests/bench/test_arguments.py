@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import autoregressive, compare, draft_policy, forward_cost, gpu, host_work, plot, serve, tune
+from bench import autoregressive, batch, compare, draft_policy, forward_cost, gpu, host_work, plot, serve, tune
 from bench.draft_policy import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,6 +172,11 @@ def test_tune_quick_help_counts_its_grid(capsys):
     (host_work.main, ["--batches", "0"], "argument --batches: expected comma-separated ints >= 1"),
     (host_work.main, ["--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
     (host_work.main, ["--threads", "-2"], "argument --threads: expected an int >= 1, got -2"),
+    (batch.main, ["--batch-sizes", "0,2"], "argument --batch-sizes: expected comma-separated ints >= 1, each once"),
+    (batch.main, ["--prompts", "99"], "--prompts 99: bench/prompts.json has 31"),
+    (batch.main, ["--prompts", "5", "--categories", "rag"], "--prompts 5: bench/prompts.json has 4 in --categories rag"),
+    (batch.main, ["--strategy", "fast"], "--strategy fast: unknown strategy 'fast'"),
+    (batch.main, ["--strategy", '{"speculative": {"k": 0}}'], "--strategy {\"speculative\": {\"k\": 0}}: "),
     (autoregressive.main, ["--prompts", "0"], "argument --prompts: expected an int >= 1, got 0"),
     (autoregressive.main, ["--prompts", "99"], "--prompts 99: bench/prompts.json has 31"),
     (gpu.main, ["--sections", "verify,foo"], "argument --sections: expected comma-separated names out of verify"),
@@ -265,13 +270,13 @@ def test_every_option_with_a_default_says_it_in_help(monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
-    for script, call in (("autoregressive", autoregressive.main), ("compare", compare.parse_args),
+    for script, call in (("autoregressive", autoregressive.main), ("batch", batch.main), ("compare", compare.parse_args),
                          ("draft_policy", draft_policy.parse_args), ("forward_cost", forward_cost.main),
                          ("gpu", gpu.main), ("host_work", host_work.main), ("plot", plot.main), ("serve", serve.main),
                          ("tune", tune.main)):
         with pytest.raises(SystemExit):
             call([])
-    assert len(parsers) == 9
+    assert len(parsers) == 10
     missing = [f"{script} {action.option_strings[-1]}" for script, parser in parsers.items()
                for action in parser._actions if action.option_strings
                and action.default not in (None, False, argparse.SUPPRESS) and "default" not in (action.help or "")]

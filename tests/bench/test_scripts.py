@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve", "host_work", "draft_policy")
+SCRIPTS = ("compare", "autoregressive", "forward_cost", "tune", "gpu", "plot", "serve", "host_work", "draft_policy",
+           "batch")
 
 
 def cpu_env() -> dict:
@@ -100,6 +101,20 @@ def test_autoregressive_dry_run(tmp_path):
     assert record["identical_outputs"] == record["prompts"] == 2
     assert all(len(p["csd_engine native"]["seconds"]) == 2 for p in record["per_prompt"])
     assert list(tmp_path.glob("autoregressive-*-tokens.png"))
+
+
+def test_batch_dry_run(tmp_path):
+    """Autoregressive first (the baseline) whatever --strategy lists, every strategy at every batch
+    size, greedy outputs equal to Autoregressive's (tiny float32 models), and the picture."""
+    run("bench/batch.py", "--dry-run", "--strategy", "speculative", "--strategy", "autoregressive", "--rounds", "2",
+        "--dtype", "float32", "--out", str(tmp_path))
+    record = only_json(tmp_path, "batch")
+    assert [(row["batch"], row["strategy"]) for row in record["rows"]] == [
+        (1, "autoregressive"), (1, "speculative"), (2, "autoregressive"), (2, "speculative")]
+    for row in record["rows"]:
+        assert row["same"] == "3/3" and len(row["seconds"]) == 2 and row["tokens_per_s"] > 0, row
+    assert [row["speedup"] for row in record["rows"][::2]] == [1.0, 1.0]
+    assert list(tmp_path.glob("batch-*-batch.png"))
 
 
 def test_forward_cost_dry_run(tmp_path):
