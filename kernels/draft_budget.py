@@ -19,9 +19,9 @@ choices whose c > max(a - 1, 0) excluded. Rates are counted: (accepted + prior_r
 
 Why a kernel: the reference is ~50-80 tensor ops over a [B, T, A+1, M+1, M+1] grid, each a
 kernel launch that a step graph replays every step; here one program per row evaluates its grid
-(at most a few hundred choices) in registers. The prices (Prices: width, model) are device
-tensors, so a step graph replays whichever the strategy selected for its rows. Values differ from the reference's in the last
-bits (exp2/log2 powers); choices equal in exact arithmetic are common (the prior rates give
+(at most a few hundred choices) in registers; the prices are device tensors (Prices), so a step
+graph replays the ones its strategy chose for its rows. Values differ from the reference's in the
+last bits (exp2/log2 powers); choices equal in exact arithmetic are common (the prior rates give
 equal values to several MaG budgets), and the tolerance makes both take the first of them
 rather than whichever rounding favours. Only values straddling the tolerance can still be
 chosen apart: that changes a budget, never a token. Shapes and host constants only:

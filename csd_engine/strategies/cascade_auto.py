@@ -55,8 +55,9 @@ choice, the best for their summed tokens (budget.prices): there a forward comput
 wide, and the review rounds run, as the widest row asks for.
 
 Nothing here is timed: a seeded request gives the same tokens however often it runs, and
-whatever shares its batch where each row chooses alone. Rows with a long MaG match go direct (Cascade.direct_match,
-direct_tokens): their tokens do not count toward gamma, and they check no tree.
+whatever shares its batch where each row chooses alone. Rows with a long MaG match go direct
+(Cascade.direct_match, direct_tokens): their tokens do not count toward gamma, and they check no
+tree.
 """
 from dataclasses import dataclass
 

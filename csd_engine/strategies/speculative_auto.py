@@ -65,6 +65,7 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         self.prices = PriceBook(models, config.width_cost, model_cost, config.max_tokens + 1, config.drafter)
 
     def start(self, state: DecodeState) -> None:
+        super().start(state)
         self.prices(state.batch)
 
     def budget(self, state: DecodeState) -> torch.Tensor:
