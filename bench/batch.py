@@ -18,12 +18,14 @@ otherwise: a near-tie can flip). JSON: bench/results/batch-*.json, saved after e
 its picture: tokens/s over Autoregressive's per strategy and batch size.
 """
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python bench/batch.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import csd_engine  # noqa: E402
 from bench import harness  # noqa: E402
 from bench.common import encode, load_prompts, order_by_category, print_table  # noqa: E402
 from bench.serve import build_strategy  # noqa: E402
@@ -69,9 +71,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     specs = check_args(ap, args)
     harness.start(args)
-    import tempfile
-
-    import csd_engine
     work = tempfile.TemporaryDirectory(prefix="bench-batch-")
     target, drafter = args.target, args.drafter
     if args.dry_run:
