@@ -676,8 +676,9 @@ def test_on_a_cpu_curve_a_step_of_several_rows_is_priced_by_its_rows_and_chosen_
     lengths = decoder.budget(state).tolist()
     assert lengths[0] == lengths[1] and lengths[2] == 0, lengths
     prompts = random_prompts(3, lo=3, hi=20, seed=41)
-    for strategy in (Speculative.auto(max_tokens=4), Cascade.auto(max_tokens=4)):
-        assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=16)
+    for strategy in (Speculative.auto(max_tokens=4, model_cost=0.01), Cascade.auto(max_tokens=4, model_cost=0.01)):
+        fast = assert_greedy_equals_autoregressive(engine, prompts, strategy, max_new_tokens=16)
+        assert sum(r.metrics.drafted for r in fast) > 0, f"{strategy} drafted nothing: the shared path went untried"
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
