@@ -405,6 +405,8 @@ class Scheduler:
         if not any(self._live()):
             return outputs
         state, engine, n_drafters = self.state, self.engine, len(self.engine.drafters)
+        if self.step_graphs is None:  # forwards skip the rows past the last one holding a request
+            state.rows_in_use = 1 + max(row for row, r in enumerate(self.slots) if r is not None)
         before = [state.metrics.target_forwards] + state.metrics.drafter_counts(n_drafters)
         waited = dict(state.metrics.wait_time_s)
         out, next_plan = (self.step_graphs or self.decoder).step_and_plan(state, self.plan)

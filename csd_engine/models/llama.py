@@ -132,6 +132,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaRunner(Runner):
+    row_prefix = True
+
     def __init__(self, hf_model, device, dtype: torch.dtype, attention_backend: str = "sdpa",
                  fused: bool | None = None, quantize: str | None = None, dense_rows: int = 0):
         cfg = hf_model.config

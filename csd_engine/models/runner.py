@@ -41,14 +41,17 @@ class ForwardBatch:
     # the runner flags rows with non-finite logits at any position (nonfinite_rows); False: the
     # caller flags the positions it uses (the target's verification, flag_used_logits)
     flag_all: bool = True
+    # host-known: the rows from this one on hold no request (DecodeState.rows_in_use); a runner
+    # that can (Runner.row_prefix) computes only the rows before it and gives the others zero logits
+    rows: int | None = None
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, lengths: torch.Tensor, kv_bound: int, need_logits: bool = True,
-              flag_all: bool = True):
+              flag_all: bool = True, rows: int | None = None):
         """Consecutive tokens appended after each row's committed prefix."""
         n = tokens.shape[1]
         positions = lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]
-        return cls(tokens, positions, kv_bound, None, need_logits, flag_all)
+        return cls(tokens, positions, kv_bound, None, need_logits, flag_all, rows)
 
 
 def attention_window(config) -> int | None:
@@ -124,6 +127,8 @@ class Runner:
     # generating, `cache_owner` (a weakref) names the engine the cache was last sized and set for.
     busy = None
     cache_owner = None
+    # forwards only the rows before ForwardBatch.rows, on views of its cache (a KVCache of its own)
+    row_prefix = False
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` as this model can embed them: a padding id of the target's vocabulary (which no
@@ -151,6 +156,8 @@ class Runner:
                                   "needs to start requests (see LlamaRunner.prefill)")
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if self.row_prefix and batch.rows is not None and batch.rows < batch.input_ids.shape[0]:
+            return self._row_prefix_forward(batch)
         with on_device(self.device):  # prefill goes through here too
             logits = self.forward(replace(batch, input_ids=self.own_ids(batch.input_ids)) if self.vocab_pad else batch)
             if logits is not None and batch.flag_all:
@@ -158,6 +165,21 @@ class Runner:
             if logits is not None and self.vocab_pad:
                 logits = F.pad(logits, (0, self.vocab_pad), value=float("-inf"))
         return logits
+
+    def _row_prefix_forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The forward of rows [0, batch.rows), on views of their cache rows and flags: a step of
+        a scheduler whose later rows hold no request costs what its occupied rows do (on a CPU a
+        forward's matmuls grow with every row). The idle rows' logits are zeros."""
+        n, full, flags = batch.rows, self.cache, self.nonfinite_rows
+        self.cache, self.nonfinite_rows = full.rows(n), None if flags is None else flags[:n]
+        try:
+            logits = self(replace(batch, input_ids=batch.input_ids[:n], positions=batch.positions[:n], rows=None,
+                                  tree_mask=None if batch.tree_mask is None else batch.tree_mask[:n]))
+        finally:
+            self.cache, self.nonfinite_rows = full, flags
+        if logits is None:
+            return None
+        return torch.cat([logits, logits.new_zeros(batch.input_ids.shape[0] - n, *logits.shape[1:])])
 
     def flag_used_logits(self, logits: torch.Tensor, positions: torch.Tensor | None = None,
                          counts: torch.Tensor | None = None) -> None:

@@ -57,6 +57,9 @@ class DecodeState:
     any_filtered: bool = True  # some row uses top-k / top-p (host-known: lets drafters skip the cut-off search)
     max_top_k: int | None = None  # largest top_k of a row (host-known: a top-k cut-off without a full sort)
     want_logprobs: bool = False  # some row asked for its tokens' log-probabilities (host-known)
+    # host-known: the rows from this one on hold no request, and forwards skip them (the scheduler
+    # sets it for eager steps; None: every row is computed, as a step graph's fixed shapes need)
+    rows_in_use: int | None = None
     metrics: "StepMetrics | None" = None  # the scheduler allocates it (StepMetrics.zeros)
     plan: torch.Tensor | None = None  # [C, B] int64: the plan the next step follows, by column (follow_plan)
     # what the decoder carries per row from one step to the next (Decoder.start makes it, its
@@ -315,7 +318,7 @@ def forward_tokens(runner: Runner, state: DecodeState, ids: torch.Tensor, ahead:
     (drafters mid-draft); it bounds the attention span without reading lengths on the host.
     flag_all=False: the caller flags the non-finite logits it uses (ForwardBatch.flag_all)."""
     bound = state.max_committed + ahead + ids.shape[1]
-    return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits, flag_all))
+    return runner(ForwardBatch.chain(ids, runner.cache.lengths, bound, need_logits, flag_all, state.rows_in_use))
 
 
 def logits_at(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

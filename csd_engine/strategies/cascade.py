@@ -436,7 +436,7 @@ class CascadeDecoder(Decoder):
         cols = feed_from[:, None] + self.offsets[None, :fed]  # the fed tokens' positions
         ids = torch.gather(state.tokens, 1, cols.clamp(max=state.tokens.shape[1] - 1))
         bound = min(state.max_committed + 1 + self.max_width + fed, self.models.capacity)
-        logits = model(ForwardBatch(ids, cols, bound))
+        logits = model(ForwardBatch(ids, cols, bound, rows=state.rows_in_use))
         if trail == 1:  # every row fed from mark - 1: the logits and drafts are in place
             logits, drafts = logits[:, :width + 1], ids[:, 1:width + 1]
         else:  # the logits at mark-1 .. mark-1+width, the tokens mark .. mark+width-1 (past sub_len: padding)

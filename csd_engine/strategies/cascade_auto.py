@@ -146,7 +146,7 @@ class AutoCascadeDecoder(CascadeDecoder):
         reviews = (m.level_accepted[1], m.level_drafted[1]) if neural and self.grid.stops_early else None
         siblings = (m.sibling_accepted, m.sibling_checked) if self.tree else None
         counts = Counts(model, (m.source_accepted[top_mag], m.source_checked[top_mag]), reviews, siblings)
-        prices = self.prices(state.batch)
+        prices = self.prices(state.rows_in_use or state.batch)
         if prices.shared:  # the active rows that do not go direct take one choice (budget.prices)
             pick_t, pick_a, pick_c, pick_g = draft_budgets_ref(self.grid, prices, counts, ready,
                                                                shared_by=state.active & ~direct)

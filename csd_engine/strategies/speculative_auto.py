@@ -72,7 +72,7 @@ class AutoSpeculativeDecoder(SpeculativeDecoder):
         """[B] each active row's draft length for the next step (0 for the others): the plan's
         second column, which the step reads on the device (state.plan)."""
         counts = Counts((state.metrics.source_accepted[0], state.metrics.source_checked[0]), None, None, None)
-        prices = self.prices(state.batch)
+        prices = self.prices(state.rows_in_use or state.batch)
         if prices.shared:  # the active rows take one length (budget.prices)
             return draft_budgets_ref(self.grid, prices, counts, shared_by=state.active)[1] * state.active
         choose = draft_budgets if use_kernels(state.pending) else draft_budgets_ref  # one launch on a GPU

@@ -104,7 +104,7 @@ def grow_tree(drafter: Runner, state: DecodeState, branching: tuple[int, ...], t
             nodes = slice(1, 1 + fed.shape[1])
             batch = ForwardBatch(fed, state.committed[:, None] + shape.depth[:, nodes],
                                  state.max_committed + 1 + fed.shape[1],
-                                 shape.mask[:, nodes, nodes].expand(state.batch, -1, -1))
+                                 shape.mask[:, nodes, nodes].expand(state.batch, -1, -1), rows=state.rows_in_use)
             logits = drafter(batch)
             if proposed is not None:
                 m = proposed[0].shape[1]
@@ -138,7 +138,7 @@ def verify_tree_and_commit(models: Models, state: DecodeState, tokens: torch.Ten
     target = models.target
     n_nodes = tokens.shape[1]
     logits = target(ForwardBatch(tokens, state.committed[:, None] + tree.depth, state.max_committed + n_nodes,
-                                 tree.mask, flag_all=False))
+                                 tree.mask, flag_all=False, rows=state.rows_in_use))
     result = models.verifier.tree(logits, tokens, tree.parents, draft_probs,
                                   **state.sampling_args(TARGET_STREAM))
     accepted = result.num_accepted

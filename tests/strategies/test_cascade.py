@@ -239,7 +239,7 @@ def test_auto_chooses_the_tree_where_its_siblings_pay(models):
         decoder = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=width, tree=(3, 2)).decoder(
             engine._decoder_models())
         state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
-                                pending=torch.zeros(2, dtype=torch.int64))
+                                rows_in_use=None, pending=torch.zeros(2, dtype=torch.int64))
         model = decoder.neural_source.index
         state.metrics.source_accepted[model] = torch.tensor([700, 700])  # the model's tokens: alpha 0.7
         state.metrics.source_checked[model] = torch.tensor([1000, 1000])
@@ -528,7 +528,7 @@ def test_auto_model_reviews_mag_tokens_only_where_it_takes_them(models):
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
     decoder = Cascade.auto(max_tokens=6, model_cost=0.3, width_cost=0.1).decoder(engine._decoder_models())
     state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
-                            pending=torch.zeros(2, dtype=torch.int64))
+                            rows_in_use=None, pending=torch.zeros(2, dtype=torch.int64))
     model = decoder.neural_source.index
     state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000, 1000])
     state.metrics.level_accepted[1] = torch.tensor([1000, 0])
@@ -556,7 +556,7 @@ def test_auto_prices_a_review_as_the_models_forward_plus_the_width_increment(mod
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=1, max_seq_len=32)
     decoder = Cascade.auto(max_tokens=6, model_cost=0.05, width_cost=0.3).decoder(engine._decoder_models())
     state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
-                            pending=torch.zeros(1, dtype=torch.int64))
+                            rows_in_use=None, pending=torch.zeros(1, dtype=torch.int64))
     model = decoder.neural_source.index
     state.metrics.source_accepted[model] = state.metrics.source_checked[model] = torch.tensor([1000])
     state.metrics.level_accepted[1] = state.metrics.level_drafted[1] = torch.tensor([1000])
@@ -574,7 +574,7 @@ def test_auto_weighs_mag_by_what_it_proposes_now(models):
     engine = Engine(target, drafters=[d1, "mag"], max_batch_size=2, max_seq_len=32)
     decoder = Cascade.auto(model_cost=0.35, width_cost=0.15).decoder(engine._decoder_models())
     state = SimpleNamespace(metrics=StepMetrics.zeros(2, "cpu", levels=3, sources=len(decoder.sources)), batch=2,
-                            pending=torch.zeros(2, dtype=torch.int64))
+                            rows_in_use=None, pending=torch.zeros(2, dtype=torch.int64))
     model, mag = decoder.neural_source.index, decoder.mag_source.index
     state.metrics.source_checked[model] = torch.tensor([1, 1])  # one model token checked, rejected
     budgets, caps = decoder.plan_budgets(state, torch.tensor([False, False]), torch.tensor([4, 0]))[:2]
@@ -595,7 +595,7 @@ def test_auto_starts_from_an_optimistic_model_rate(models):
     for rate in (0.8, 0.5):
         decoder = Cascade.auto(model_cost=0.2, width_cost=0.15, prior_rate=rate).decoder(engine._decoder_models())
         state = SimpleNamespace(metrics=StepMetrics.zeros(1, "cpu", levels=3, sources=len(decoder.sources)), batch=1,
-                                pending=torch.zeros(1, dtype=torch.int64))
+                                rows_in_use=None, pending=torch.zeros(1, dtype=torch.int64))
         budgets, _ = decoder.plan_budgets(state, torch.tensor([False]), torch.tensor([0]))[:2]  # MaG holds nothing
         picked[rate] = int(budgets[decoder.neural_source.index][0])
     assert picked[0.8] > picked[0.5], picked
@@ -669,7 +669,7 @@ def test_on_a_cpu_curve_a_step_of_several_rows_is_priced_by_its_rows_and_chosen_
     invariant = Engine(target, drafters=[d1, "mag"], max_batch_size=3, max_seq_len=64, batch_invariant=True)
     assert not Speculative.auto().decoder(invariant._decoder_models()).prices(3).shared
     # rows that counted 0.97 and 0.1 acceptance, and an inactive one: the active rows draft alike
-    state = SimpleNamespace(metrics=StepMetrics.zeros(3, "cpu", levels=2, sources=1), batch=3,
+    state = SimpleNamespace(metrics=StepMetrics.zeros(3, "cpu", levels=2, sources=1), batch=3, rows_in_use=None,
                             pending=torch.zeros(3, dtype=torch.int64), active=torch.tensor([True, True, False]))
     state.metrics.source_accepted[0] = torch.tensor([970, 100, 0])
     state.metrics.source_checked[0] = torch.tensor([1000, 1000, 0])

@@ -496,3 +496,30 @@ def test_prefill_groups_follow_their_rule_on_random_lengths():
         lengths = {lo + i: int(torch.randint(0, top, (1,), generator=gen)) for i in range(n)}
         assert _prefill_groups((lo, lo + n), lengths) == by_the_rule((lo, lo + n), lengths)
     assert len(_prefill_groups((0, 3), {0: 500, 1: 3, 2: 2})) == 2  # the rule splits at all here
+
+
+@pytest.mark.parametrize("name", ["speculative-model", "cascade2-l2", "staged"])
+def test_forwards_compute_only_the_rows_up_to_the_last_request(models, name):
+    """A scheduler of 4 rows holding one request forwards its models over that row only (the
+    rows after the last one holding a request are skipped, their logits zeros), over two once a
+    second request takes row 1; tokens as decoded alone, and the idle rows' caches untouched."""
+    engine = engine_for(models, name, rows=4)
+    strategy = STRATEGIES[name][1]
+    seen = []
+    for runner in engine.models():
+        forward = runner.forward
+        runner.forward = lambda batch, forward=forward: seen.append(batch.input_ids.shape[0]) or forward(batch)
+    try:
+        arrivals = [([5, 9, 2, 7], SamplingParams(max_new_tokens=24), 0),
+                    ([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=6), 1)]
+        with engine.scheduler(strategy, rows=4) as scheduler:
+            results = run_arrivals(scheduler, arrivals, IdleRowsStayShort())
+            lengths = [int(r.cache.lengths[2:].abs().sum()) for r in engine.models()]
+    finally:
+        for runner in engine.models():
+            del runner.forward
+    decoding = [n for n in seen if n < 4]  # prefills go through forward too, one row each here
+    assert seen and set(seen) <= {1, 2} and 2 in decoding, seen
+    assert lengths == [0] * len(lengths), "a row past the last request was written"
+    for i, (prompt, params, _) in enumerate(arrivals):
+        assert results[i].token_ids == alone(engine, strategy, prompt, params).token_ids
