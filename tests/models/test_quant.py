@@ -119,8 +119,11 @@ def test_quantized_runner_is_the_float_model_on_dequantized_weights(make, scheme
 @pytest.mark.parametrize("scheme", ["int8", "int4g32"])
 def test_bfloat16_quantized_runner_errs_no_more_than_bfloat16_itself(scheme):
     """bf16 activations (the dtype quantization is for): against the float64 dequantized model,
-    the quantized runner's error is within 2x that of the plain bf16 runner on the same weights."""
-    model = tiny_qwen2(seed=int(torch.randint(0, 1000, (1,))))
+    the quantized runner's error is within 2x that of the plain bf16 runner on the same weights,
+    plus one bf16 step at the largest logit: both errors come in such steps (a plain error of one
+    step and a quantized one of two is within the rule, and measured 2.0035x once)."""
+    seed = int(torch.randint(0, 1000, (1,)))
+    model = tiny_qwen2(seed=seed)
     ref_model = dequantized_model(model, scheme, torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
@@ -129,7 +132,8 @@ def test_bfloat16_quantized_runner_errs_no_more_than_bfloat16_itself(scheme):
     ours = _native_logits_in_steps(LlamaRunner(model, "cpu", torch.bfloat16, quantize=scheme), ids, [4, 5])
     plain_err, our_err = (plain.double() - ref64).abs().max().item(), (ours.double() - ref64).abs().max().item()
     print(f"{scheme} bf16: plain runner max err {plain_err:.3f}, quantized runner {our_err:.3f}")
-    assert our_err <= 2 * plain_err
+    step = torch.finfo(torch.bfloat16).eps * ref64.abs().max().item()  # a bf16 step at the largest logit, or more
+    assert our_err <= 2 * plain_err + step, f"seed {seed}: {our_err:.3f} against 2 x {plain_err:.3f} + {step:.3f}"
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4g32"])
