@@ -133,8 +133,9 @@ def prices(models: Models, width_cost: float | None, model_cost: float, n: int, 
            rows: int) -> Prices:
     """What a self-tuning strategy's choices cost in a step of `rows` rows, in one-token target
     forwards of as many rows (kernels/draft_budget.py). Where the platform's CPU curve prices the
-    target (width_cost None) and the engine is not batch_invariant, every forward computes all the
-    scheduler's rows as wide as the widest, so at rows > 1: a forward of w tokens a row costs
+    target (width_cost None) and the engine is not batch_invariant, every forward computes the
+    step's rows (DecodeState.rows_in_use, else all the scheduler's) as wide as the widest, so at
+    rows > 1: a forward of w tokens a row costs
     curve(rows w) / curve(rows); the model's forward model_cost drafter(rows) / curve(rows), its
     first drafter(2 rows) / curve(rows) (it also feeds the target's bonus token where the target
     took the whole draft), drafter = DRAFTER_ROW_COSTS for a quantized model, else the target's
